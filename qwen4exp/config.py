@@ -1,0 +1,312 @@
+"""Model and engine configuration.
+
+`ModelConfig` is the text model's shape, read once from a checkpoint's `config.json` through transformers and then
+frozen. Layers only ever see this object, never the raw HF config. Every invariant the reference validates is
+checked again here so that errors name the offending field whatever transformers version parsed the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+LINEAR = "linear_attention"
+INDEXED = "indexed_attention"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+    # Gated DeltaNet
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    output_gate_type: str = "silu"
+    # MoE
+    num_experts: int = 512
+    num_experts_per_tok: int = 10
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    # Hyper-connections
+    hc_count: int = 4
+    hc_lowrank: int = 320
+    # PLE (hashed n-gram per-layer embeddings)
+    ple_layer_ids: tuple[int, ...] = ()
+    ple_embed_dim: int = 0
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_size_base: int = 20_000_000
+    make_ngram_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+    split_ngram_parts: int = 512
+    eos_token_id: int | None = None
+    # QSA (indexed sparse attention); None everywhere means dense gated attention on the indexed layers
+    indexer_n_heads: int | None = None
+    indexer_kv_heads: int | None = None
+    indexer_head_dim: int | None = None
+    indexer_budget: int | None = None
+    indexer_compress_ratio: int | None = None
+    tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0
+    torch_dtype: str = "bfloat16"
+    # Token ids the generation loop stops on by default (from generation_config.json or config.json).
+    stop_token_ids: tuple[int, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ----- derived quantities -----
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def qsa(self) -> bool:
+        return self.indexer_n_heads is not None
+
+    @property
+    def ngram_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def ple_conv_state_len(self) -> int:
+        return (self.ple_conv_kernel_size - 1) * self.ngram_size
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.gdn_value_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def ple_index(self, layer_idx: int) -> int | None:
+        """Position of 0-based decoder layer `layer_idx` among the PLE layers, or None."""
+        ids = self.ple_layer_ids
+        return ids.index(layer_idx + 1) if layer_idx + 1 in ids else None
+
+    @classmethod
+    def from_hf(cls, hf, stop_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+        """Build from a transformers `Qwen4ExpTextConfig` (already normalised by its `__post_init__`)."""
+        rope = dict(hf.rope_parameters or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError("rope_parameters.rope_type", f"only 'default' RoPE is supported, got {rope['rope_type']!r}")
+        eos = hf.eos_token_id
+        eos_first = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        if isinstance(eos_first, list):
+            eos_first = None
+        names = {f.name for f in fields(cls)}
+        kw = {n: getattr(hf, n) for n in names if hasattr(hf, n) and getattr(hf, n) is not None}
+        kw.update(
+            layer_types=tuple(hf.layer_types),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+            mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
+            ple_layer_ids=tuple(hf.ple_layer_ids or ()),
+            ple_embed_dim=hf.ple_embed_dim or hf.hidden_size,
+            output_gate_type=hf.output_gate_type or hf.hidden_act,
+            eos_token_id=eos_first,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            torch_dtype=_dtype_name(getattr(hf, "dtype", None)),
+            mtp_num_hidden_layers=getattr(hf, "mtp_num_hidden_layers", 0) or 0,
+        )
+        if not stop_token_ids and eos is not None:
+            stop_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        kw["stop_token_ids"] = tuple(stop_token_ids)
+        return cls(**kw)
+
+
+def _dtype_name(dtype) -> str:
+    if dtype is None:
+        return "bfloat16"
+    return str(dtype).removeprefix("torch.")
+
+
+def _validate(c: ModelConfig) -> None:
+    def positive(*names: str) -> None:
+        for name in names:
+            value = getattr(c, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+    positive(
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "hc_lowrank",
+    )
+    if len(c.layer_types) != c.num_hidden_layers:
+        raise ConfigError(
+            "layer_types", f"has {len(c.layer_types)} entries but num_hidden_layers is {c.num_hidden_layers}"
+        )
+    bad = sorted(set(c.layer_types) - {LINEAR, INDEXED})
+    if bad:
+        raise ConfigError("layer_types", f"unsupported Qwen4-Exp layer types {bad}")
+    if c.output_gate_type not in ("sigmoid", "silu"):
+        raise ConfigError("output_gate_type", f"must be 'sigmoid' or 'silu', got {c.output_gate_type!r}")
+    if c.hidden_act != "silu":
+        raise ConfigError("hidden_act", f"only 'silu' is supported, got {c.hidden_act!r}")
+    if not isinstance(c.hc_count, int) or c.hc_count <= 1:
+        raise ConfigError("hc_count", f"Qwen4-Exp requires hc_count > 1, got {c.hc_count!r}")
+    if not 0 < c.num_experts_per_tok <= c.num_experts:
+        raise ConfigError(
+            "num_experts_per_tok",
+            f"must be in [1, num_experts={c.num_experts}], got {c.num_experts_per_tok}",
+        )
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ConfigError(
+            "num_key_value_heads",
+            f"num_attention_heads={c.num_attention_heads} is not divisible by num_key_value_heads={c.num_key_value_heads}",
+        )
+    if c.linear_num_value_heads % c.linear_num_key_heads:
+        raise ConfigError(
+            "linear_num_value_heads",
+            f"{c.linear_num_value_heads} is not divisible by linear_num_key_heads={c.linear_num_key_heads}",
+        )
+    if not 0.0 < c.partial_rotary_factor <= 1.0:
+        raise ConfigError("rope_parameters.partial_rotary_factor", f"must be in (0, 1], got {c.partial_rotary_factor}")
+    if c.rotary_dim % 2:
+        raise ConfigError("rope_parameters.partial_rotary_factor", f"rotary dim {c.rotary_dim} must be even")
+
+    qsa = {
+        "indexer_n_heads": c.indexer_n_heads, "indexer_kv_heads": c.indexer_kv_heads,
+        "indexer_head_dim": c.indexer_head_dim, "indexer_budget": c.indexer_budget,
+        "indexer_compress_ratio": c.indexer_compress_ratio,
+    }
+    if any(v is not None for v in qsa.values()):
+        missing = [k for k, v in qsa.items() if v is None]
+        if missing:
+            raise ConfigError(missing[0], f"QSA config is missing required fields {missing}")
+        for name, value in qsa.items():
+            if value <= 0:
+                raise ConfigError(name, f"QSA values must be positive, got {value}")
+        if c.indexer_kv_heads != 1:
+            raise ConfigError("indexer_kv_heads", f"Qwen4-Exp QSA requires indexer_kv_heads=1, got {c.indexer_kv_heads}")
+        if c.indexer_budget % c.indexer_compress_ratio:
+            raise ConfigError(
+                "indexer_budget",
+                f"{c.indexer_budget} is not divisible by indexer_compress_ratio={c.indexer_compress_ratio}",
+            )
+        if c.rotary_dim > c.indexer_head_dim:
+            raise ConfigError(
+                "indexer_head_dim",
+                f"attention RoPE dims must fit the QSA index head: rotary_dim={c.rotary_dim}, "
+                f"indexer_head_dim={c.indexer_head_dim}",
+            )
+
+    if c.ple_layer_ids:
+        if list(c.ple_layer_ids) != sorted(set(c.ple_layer_ids)):
+            raise ConfigError("ple_layer_ids", f"must be sorted and unique, got {list(c.ple_layer_ids)}")
+        if c.ngram_size < 2 or c.heads_per_ngram <= 0:
+            raise ConfigError("ngram_size", f"PLE needs ngram_size >= 2 and heads_per_ngram > 0, got "
+                              f"ngram_size={c.ngram_size}, heads_per_ngram={c.heads_per_ngram}")
+        if c.ple_embed_dim <= 0 or c.ple_embed_dim % c.ngram_heads:
+            raise ConfigError(
+                "ple_embed_dim",
+                f"must be positive and divisible by the number of n-gram heads: {c.ple_embed_dim} % {c.ngram_heads} != 0",
+            )
+        bad = [i for i in c.ple_layer_ids if i < 1 or i > c.num_hidden_layers]
+        if bad:
+            raise ConfigError("ple_layer_ids", f"must be one-indexed ids in [1, {c.num_hidden_layers}], got {bad}")
+        bad = [i for i in c.ple_layer_ids if c.layer_types[i - 1] != LINEAR]
+        if bad:
+            raise ConfigError("ple_layer_ids", f"PLE is only supported on linear_attention layers, got layers {bad}")
+        if c.eos_token_id is None:
+            raise ConfigError("eos_token_id", "must be set when PLE layers are enabled")
+        positive("ple_conv_kernel_size", "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by")
+    if c.torch_dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError("torch_dtype", f"unsupported dtype {c.torch_dtype!r}")
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_model_config(model_dir: str) -> ModelConfig:
+    """Read `config.json` (multimodal `qwen4_exp` wrapper or flat `qwen4_exp_text`) through transformers."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import Qwen4ExpConfig, Qwen4ExpTextConfig
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {model_dir!r}")
+    raw = read_json(path)
+    model_type = raw.get("model_type")
+    try:
+        if model_type == "qwen4_exp":
+            hf = Qwen4ExpConfig(**{k: v for k, v in raw.items() if k != "model_type"}).text_config
+            if hf.eos_token_id is None and raw.get("eos_token_id") is not None:
+                hf.eos_token_id = raw["eos_token_id"]
+        elif model_type == "qwen4_exp_text":
+            hf = Qwen4ExpTextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+        else:
+            raise ConfigError("model_type", f"expected 'qwen4_exp' or 'qwen4_exp_text', got {model_type!r}")
+    except StrictDataclassError as e:
+        raise ConfigError(_field_from_hf_error(e), str(e).replace("\n", " ")) from None
+    stop = ()
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        eos = read_json(gen_path).get("eos_token_id")
+        if eos is not None:
+            stop = tuple(eos) if isinstance(eos, list) else (eos,)
+    return ModelConfig.from_hf(hf, stop)
+
+
+def _field_from_hf_error(e: Exception) -> str:
+    msg = str(e)
+    if "for field '" in msg:
+        return msg.split("for field '", 1)[1].split("'", 1)[0]
+    return "config.json"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits and runtime choices of one engine instance (vLLM's names)."""
+
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_cache_bytes: int = 1 << 30
+    num_pages: int | None = None  # explicit override (tests)
+    max_queued_requests: int | None = None
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ConfigError("max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")

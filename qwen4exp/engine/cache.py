@@ -1,0 +1,94 @@
+"""Cache accounting: fixed-size pages for the attention layers and state slots for GDN/PLE, on the CPU.
+
+The allocators hand out integers only; the tensors they index are the model's (model/state.py), allocated once
+here from a memory budget. Page 0 and slot 0 are reserved null entries (padding rows point at them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..model.state import ModelCache, allocate_cache, page_bytes, slot_bytes
+
+logger = logging.getLogger("qwen4exp")
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # page 0 is the null page
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_pages - 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"out of cache pages: want {n}, have {len(self._free)}")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class SlotAllocator(PageAllocator):
+    """Same free-list discipline; slot 0 is the null slot."""
+
+
+class CacheManager:
+    """Owns the cache tensors and both allocators."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, device):
+        c, e = model_config, engine_config
+        self.page_size = e.page_size
+        if c.qsa and e.page_size % c.indexer_compress_ratio:
+            raise ValueError(
+                f"page_size: {e.page_size} must be a multiple of indexer_compress_ratio={c.indexer_compress_ratio}"
+            )
+        per_page = max(page_bytes(c, e.page_size, dtype), 1)
+        per_slot = max(slot_bytes(c, dtype), 1)
+        num_slots = e.max_num_seqs + 1
+        if e.num_pages is not None:
+            num_pages = e.num_pages
+        else:
+            budget = _memory_budget(e, device) - num_slots * per_slot
+            num_pages = budget // per_page
+        pages_per_seq = -(-e.max_model_len // e.page_size)
+        if num_pages - 1 < pages_per_seq:
+            raise ValueError(
+                f"the cache budget holds {max(num_pages - 1, 0)} pages of {e.page_size} tokens but one request of "
+                f"max_model_len={e.max_model_len} needs {pages_per_seq}; raise the memory budget or lower max_model_len"
+            )
+        self.pages = PageAllocator(int(num_pages))
+        self.slots = SlotAllocator(num_slots)
+        self.tensors: ModelCache = allocate_cache(c, int(num_pages), e.page_size, num_slots, dtype, device)
+        logger.info(
+            "KV cache: %d pages = %d tokens, %d state slots", self.pages.num_usable,
+            self.pages.num_usable * e.page_size, self.slots.num_usable,
+        )
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def all_free(self) -> bool:
+        return self.pages.num_free == self.pages.num_usable and self.slots.num_free == self.slots.num_usable
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pages.num_free / max(self.pages.num_usable, 1)
+
+
+def _memory_budget(e: EngineConfig, device) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return max(int(total * e.gpu_memory_utilization) - used, 0)
+    return e.cpu_cache_bytes

@@ -1,0 +1,95 @@
+"""Model runner: turns one step's scheduled chunks into `StepMetadata`, runs the model, returns logits rows.
+
+Nothing here decides what runs; the scheduler does. Nothing here knows layer internals; the model does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..model import Qwen4ExpForCausalLM, StepMetadata
+from .cache import CacheManager
+
+
+@dataclass
+class RequestChunk:
+    """One request's share of a step."""
+
+    token_ids: list[int]  # tokens fed this step
+    context_len: int  # tokens of the request already in the caches
+    history: list[int]  # committed tokens before token_ids (only the last ngram_size-1 are used)
+    pages: list[int]  # page ids covering at least context_len + len(token_ids) tokens
+    state_slot: int
+    logits_from: int  # first row (within token_ids) whose logits are wanted; len(token_ids) for none
+
+
+def build_metadata(
+    chunks: list[RequestChunk], config: ModelConfig, page_size: int, device, eos_token_id: int | None = None
+) -> StepMetadata:
+    qsl, ctx, slots, input_ids, positions, slot_mapping, logits_rows = [0], [], [], [], [], [], []
+    n_ctx = max(config.ngram_size - 1, 0)
+    eos = config.eos_token_id if config.eos_token_id is not None else 0
+    ngram_ctx = []
+    C = config.indexer_compress_ratio if config.qsa else None
+    block_tok, block_slot, block_pos = [], [], []
+    max_pages = max((len(c.pages) for c in chunks), default=1) or 1
+    block_tables = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
+    for r, ch in enumerate(chunks):
+        n = len(ch.token_ids)
+        start = qsl[-1]
+        qsl.append(start + n)
+        ctx.append(ch.context_len)
+        slots.append(ch.state_slot)
+        input_ids += ch.token_ids
+        pos = range(ch.context_len, ch.context_len + n)
+        positions += pos
+        slot_mapping += [ch.pages[p // page_size] * page_size + p % page_size for p in pos]
+        logits_rows += range(start + ch.logits_from, start + n)
+        hist = ch.history[-n_ctx:] if n_ctx else []
+        ngram_ctx.append([eos] * (n_ctx - len(hist)) + hist)
+        block_tables[r, : len(ch.pages)] = torch.tensor(ch.pages, dtype=torch.int32)
+        if C:
+            for b in range(ch.context_len // C, (ch.context_len + n) // C):
+                first = b * C
+                block_tok.append([ch.pages[p // page_size] * page_size + p % page_size for p in range(first, first + C)])
+                block_slot.append(ch.pages[first // page_size] * (page_size // C) + (first % page_size) // C)
+                block_pos.append(first)
+
+    def t(x, dtype=torch.long):
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    return StepMetadata(
+        input_ids=t(input_ids),
+        positions=t(positions),
+        query_start_loc=t(qsl, torch.int32),
+        context_lens=t(ctx, torch.int32),
+        block_tables=block_tables.to(device),
+        slot_mapping=t(slot_mapping),
+        state_slots=t(slots),
+        ngram_context=t(ngram_ctx).reshape(len(chunks), n_ctx),
+        logits_indices=t(logits_rows),
+        new_block_token_slots=t(block_tok).reshape(-1, C or 1),
+        new_block_slots=t(block_slot),
+        new_block_positions=t(block_pos),
+        query_start_loc_cpu=qsl,
+        context_lens_cpu=ctx,
+        state_slots_cpu=slots,
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen4ExpForCausalLM, cache: CacheManager, device):
+        self.model = model
+        self.cache = cache
+        self.device = torch.device(device)
+        self.config = model.config
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[RequestChunk]) -> torch.Tensor:
+        """Runs one step; returns fp32 logits for the wanted rows, in chunk order."""
+        meta = build_metadata(chunks, self.config, self.cache.page_size, self.device)
+        hidden = self.model(meta, self.cache.tensors)
+        return self.model.compute_logits(hidden[meta.logits_indices])

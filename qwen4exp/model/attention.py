@@ -1,0 +1,77 @@
+"""Indexed sparse attention (QSA): gated GQA whose queries attend only to the blocks a lightweight indexer picks.
+
+The indexer projects each token to Hi query heads and one raw key. Raw keys are pooled over complete C-token
+blocks (fp32 mean, rounded), normalised and rotated at the block's first position: one compressed key per block,
+computed once when the block completes and kept in the cache. A query scores every visible block with
+sum_h relu(q_h . k_b) / sqrt(Di), keeps the top budget/C blocks plus the incomplete tail, and the main attention is
+restricted to those tokens. Short contexts (at most budget/C complete blocks) are exactly dense.
+"""
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from .common import RMSNorm
+from .metadata import StepMetadata
+from .state import AttentionCache
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.indexer_n_heads
+        self.head_dim = config.indexer_head_dim
+        self.budget = config.indexer_budget
+        self.compress_ratio = config.indexer_compress_ratio
+        self.index_qk_proj = nn.Linear(config.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta: StepMetadata, cache: AttentionCache, rotary) -> torch.Tensor:
+        """Returns the selected logical token indices [T, budget + C - 1] (-1 padded)."""
+        q, raw_key = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        q = ops.rotary.apply_rope(self.q_layernorm(q.reshape(-1, self.n_heads, self.head_dim)), cos, sin)
+        ops.attention.write_slots(cache.index_key, raw_key, meta.slot_mapping)
+        if meta.new_block_slots.numel():
+            flat = cache.index_key.view(-1, self.head_dim)
+            pooled = flat[meta.new_block_token_slots].float().mean(dim=1).to(flat.dtype)
+            bcos, bsin = rotary(meta.new_block_positions, x.dtype)
+            block_key = ops.rotary.apply_rope(self.k_layernorm(pooled), bcos, bsin)
+            ops.attention.write_slots(cache.block_key, block_key, meta.new_block_slots)
+        return ops.attention.qsa_select(
+            q, cache.block_key, meta.block_tables, meta.query_start_loc_cpu, meta.context_lens_cpu,
+            self.budget, self.compress_ratio,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim * 2, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.indexer = QSAIndexer(config) if config.qsa else None
+
+    def forward(self, x, cos, sin, meta: StepMetadata, cache: AttentionCache, rotary) -> torch.Tensor:
+        T = x.shape[0]
+        # q_proj packs [q_h | gate_h] per head
+        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = ops.rotary.apply_rope(self.q_norm(q), cos, sin)
+        k = ops.rotary.apply_rope(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        ops.attention.write_slots(cache.key, k, meta.slot_mapping)
+        ops.attention.write_slots(cache.value, v, meta.slot_mapping)
+        selected = self.indexer(x, cos, sin, meta, cache, rotary) if self.indexer is not None else None
+        out = ops.attention.paged_attention(
+            q, cache.key, cache.value, meta.block_tables, meta.query_start_loc_cpu, meta.context_lens_cpu,
+            self.scaling, selected,
+        )
+        out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(out)

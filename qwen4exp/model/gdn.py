@@ -1,0 +1,49 @@
+"""Gated DeltaNet (linear attention) with the flat Qwen3.5 projection layout."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from .common import GatedRMSNorm
+from .metadata import StepMetadata
+from .state import GDNState
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(c.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, c.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, c.output_gate_type)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata, state: GDNState) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = ops.conv.causal_conv1d(
+            self.in_proj_qkv(x), self.conv1d.weight[:, 0, :], state.conv, meta.query_start_loc_cpu,
+            meta.state_slots_cpu, meta.has_initial_state, activation="silu",
+        )
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        # log-decay <= 0, in fp32 (A_log in low precision would overflow exp)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        core = ops.gated_delta.gated_delta_rule(
+            q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim), v.reshape(T, -1, self.head_v_dim),
+            g, beta, state.ssm, meta.query_start_loc_cpu, meta.state_slots_cpu, meta.has_initial_state,
+        )
+        z = self.in_proj_z(x).reshape(-1, self.head_v_dim)
+        core = self.norm(core.reshape(-1, self.head_v_dim), z).reshape(T, -1)
+        return self.out_proj(core)

@@ -1,0 +1,43 @@
+"""The forward contract: one flat batch of new tokens from several requests, and the step metadata describing it.
+
+Built once per step by the runner; layers read it and never look at requests or the scheduler.
+Request r owns token rows query_start_loc[r] : query_start_loc[r+1]; its first new token sits at logical position
+context_lens[r] (the number of its tokens already in the caches).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepMetadata:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] (or [3, T] for M-RoPE) rotary positions
+    query_start_loc: torch.Tensor  # [R+1] int32, device
+    context_lens: torch.Tensor  # [R] int32, tokens already cached per request
+    block_tables: torch.Tensor  # [R, max_pages] int32 page ids of each request (attention caches)
+    slot_mapping: torch.Tensor  # [T] int64 flat cache row of each new token
+    state_slots: torch.Tensor  # [R] int64 state slot of each request (GDN and PLE conv / recurrent states)
+    ngram_context: torch.Tensor  # [R, ngram_size-1] int64 committed tokens before the first new token, EOS padded
+    logits_indices: torch.Tensor  # [L] int64 rows whose logits are wanted
+    # QSA blocks completed in this step (their compressed keys are computed and stored once):
+    new_block_token_slots: torch.Tensor  # [NB, C] int64 flat cache rows of the block's C tokens
+    new_block_slots: torch.Tensor  # [NB] int64 flat block-key rows
+    new_block_positions: torch.Tensor  # [NB] rotary position of each block's first token
+    # Host copies that drive per-request loops without device syncs:
+    query_start_loc_cpu: list[int]
+    context_lens_cpu: list[int]
+    state_slots_cpu: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.state_slots_cpu)
+
+    @property
+    def has_initial_state(self) -> list[bool]:
+        return [c > 0 for c in self.context_lens_cpu]

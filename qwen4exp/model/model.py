@@ -1,0 +1,86 @@
+"""Qwen4-Exp text model over a flat token batch. Parameter names equal the checkpoint's (after expert stacking)."""
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..config import LINEAR, ModelConfig
+from .attention import Attention
+from .gdn import GatedDeltaNet
+from .hyper_connection import GatedResidual, combine
+from .metadata import StepMetadata
+from .moe import SparseMoeBlock
+from .common import RotaryEmbedding
+from .ple import PLELayer
+from .state import ModelCache
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = Attention(config)
+        self.mlp = SparseMoeBlock(config)
+        ple_index = config.ple_index(layer_idx)
+        self.ple = PLELayer(config, ple_index) if ple_index is not None else None
+        self.attn_hyper_connection = GatedResidual(config)
+        self.mlp_hyper_connection = GatedResidual(config)
+
+    def forward(self, streams, meta: StepMetadata, cos, sin, cache, ple_state, shifted, rotary) -> torch.Tensor:
+        if self.ple is not None:
+            streams = streams + self.ple(streams, shifted, meta, ple_state)
+
+        x, inject = self.attn_hyper_connection(streams)
+        if self.layer_type == LINEAR:
+            y = self.linear_attn(x, meta, cache)
+        else:
+            y = self.self_attn(x, cos, sin, meta, cache, rotary)
+        streams = combine(streams, y, inject)
+
+        x, inject = self.mlp_hyper_connection(streams)
+        return combine(streams, self.mlp(x), inject)
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
+        self.hyper_connection_mixer = GatedResidual(config, use_combine=False)
+
+    def forward(self, meta: StepMetadata, cache: ModelCache) -> torch.Tensor:
+        c = self.config
+        x = self.embed_tokens(meta.input_ids)
+        cos, sin = self.rotary_emb(meta.positions, x.dtype)
+        shifted = None
+        if c.ple_layer_ids:  # the EOS-aware n-gram windows are shared by every PLE layer
+            shifted = ops.ngram.shifted_tokens(
+                meta.input_ids, meta.query_start_loc_cpu, meta.ngram_context, c.eos_token_id, c.ngram_size
+            )
+        streams = x.repeat(1, c.hc_count)
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, meta, cos, sin, cache.layers[i], cache.ple.get(i), shifted, self.rotary_emb)
+        return self.hyper_connection_mixer(streams)[0]
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, meta: StepMetadata, cache: ModelCache) -> torch.Tensor:
+        """Returns the final hidden states [T, H] of every new token."""
+        return self.model(meta, cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> fp32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()

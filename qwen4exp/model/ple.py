@@ -1,0 +1,116 @@
+"""PLE: hashed n-gram per-layer embeddings injected into every hyper-connection stream.
+
+Each token's n-grams (orders 2..N, ending at the token, restarting after EOS) are hashed by `heads_per_ngram`
+multiply-xor heads into prime-sized slices of one table; the concatenated rows give a key per stream and one shared
+value. The normalised streams gate the value (signed-sqrt dot product), and a dilated causal depthwise conv over
+the normalised gated values adds local context. The layer returns the residual update [T, hc*H].
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from .common import RMSNorm
+from .metadata import StepMetadata
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_PRIME = 10007
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + _GAMMA) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def layer_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """Odd hash multipliers below (2^63-1)/vocab, so token * multiplier never overflows for in-vocab tokens."""
+    half_bound = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
+    base = seed + _PRIME * ple_index
+    return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1 for i in range(ngram_size)]
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def head_table_sizes(base: int, first_head: int, num_heads: int) -> list[int]:
+    """Sizes of heads first_head .. first_head+num_heads-1, where global head i gets the (i+1)-th prime >= base."""
+    sizes, p, i = [], base - 1, 0
+    while len(sizes) < num_heads:
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        if i >= first_head:
+            sizes.append(p)
+        i += 1
+    return sizes
+
+
+class NGramEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, ple_index: int):
+        super().__init__()
+        self.heads_per_ngram = config.heads_per_ngram
+        heads = config.ngram_heads
+        sizes = head_table_sizes(config.ngram_vocab_size_base, ple_index * heads, heads)
+        offsets = [sum(sizes[:i]) for i in range(heads)]
+        divisor = config.make_ngram_vocab_size_divisible_by
+        self.num_rows = sum(sizes)
+        padded = -(-self.num_rows // divisor) * divisor
+        mult = layer_multipliers(config.vocab_size, config.ngram_size, ple_index, config.seed)
+        self.register_buffer("layer_multipliers", torch.tensor(mult, dtype=torch.long, device="cpu"), persistent=False)
+        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long, device="cpu"), persistent=False)
+        self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long, device="cpu"), persistent=False)
+        self.ngram_embedding = nn.Embedding(padded, config.ple_embed_dim // heads)
+
+    def forward(self, shifted: torch.Tensor) -> torch.Tensor:
+        """shifted: [T, N] tokens t, t-1, .. (EOS-reset) -> concatenated head rows [T, ple_embed_dim]."""
+        ids = ops.ngram.ngram_ids(
+            shifted, self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
+            self.heads_per_ngram,
+        )
+        table = self.ngram_embedding.weight
+        return table[ids.to(table.device)].to(shifted.device).flatten(1)
+
+
+class PLELayer(nn.Module):
+    def __init__(self, config: ModelConfig, ple_index: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.hc_count = config.hc_count
+        width = self.hidden_size * self.hc_count
+        eps = config.rms_norm_eps
+        self.ple_embedding = NGramEmbedding(config, ple_index)
+        self.key_proj = nn.Linear(config.ple_embed_dim, width, bias=False)
+        self.value_proj = nn.Linear(config.ple_embed_dim, self.hidden_size, bias=False)
+        self.norm_key = RMSNorm(width, eps, group_size=self.hidden_size)
+        self.norm_query = RMSNorm(width, eps, group_size=self.hidden_size)
+        self.norm_conv = RMSNorm(width, eps, group_size=self.hidden_size)
+        self.dilation = config.ngram_size
+        self.conv1d = nn.Conv1d(
+            width, width, config.ple_conv_kernel_size, groups=width, dilation=self.dilation, bias=False
+        )
+
+    def forward(
+        self, streams: torch.Tensor, shifted: torch.Tensor, meta: StepMetadata, conv_state: torch.Tensor
+    ) -> torch.Tensor:
+        emb = self.ple_embedding(shifted).to(streams.dtype)
+        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc_count, self.hidden_size))
+        value = self.value_proj(emb)
+        query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
+        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden_size)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)  # [T, hc*H]
+        conv = ops.conv.causal_conv1d(
+            self.norm_conv(gated), self.conv1d.weight[:, 0, :], conv_state, meta.query_start_loc_cpu,
+            meta.state_slots_cpu, meta.has_initial_state, dilation=self.dilation, activation="silu",
+        )
+        return gated + conv

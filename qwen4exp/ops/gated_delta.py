@@ -1,0 +1,99 @@
+"""Gated delta rule (the Gated DeltaNet recurrence) over a flat batch, with fp32 state slots.
+
+Per value head, with state S in R^{Dk x Dv}:
+    S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
+with q, k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5. Query/key head h serves value heads h*r .. h*r+r-1.
+Prefill runs the chunked (UT-transform) form, single tokens the recurrent form; both are fp32.
+"""
+
+import torch
+
+CHUNK = 64
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _prepare(q, k, v, g, beta):
+    """[n, H, D] inputs -> fp32 [H, n, D] with grouped q/k heads expanded to the value heads."""
+    rep = v.shape[1] // k.shape[1]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    q, k, v = (t.transpose(0, 1).float() for t in (q, k, v))
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    return q, _l2norm(k), v, g.t().float(), beta.t().float()
+
+
+def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state):
+    """One sequence token by token. q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; state: [Hv, Dk, Dv] fp32.
+    Returns (out [n, Hv, Dv] fp32, final state)."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    out = torch.empty_like(v)
+    for t in range(v.shape[1]):
+        state = state * g[:, t].exp()[:, None, None]
+        predicted = (state * k[:, t, :, None]).sum(-2)
+        delta = (v[:, t] - predicted) * beta[:, t, None]
+        state = state + k[:, t, :, None] * delta[:, None, :]
+        out[:, t] = (state * q[:, t, :, None]).sum(-2)
+    return out.transpose(0, 1), state
+
+
+def chunk_gated_delta_rule_ref(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Same contract as the recurrent form, computed chunk by chunk with a triangular solve inside each chunk."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    heads, n, dk = k.shape
+    pad = (-n) % chunk
+    if pad:
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (torch.nn.functional.pad(t, (0, pad)) for t in (g, beta))
+    nc = (n + pad) // chunk
+    q, k, v = (t.reshape(heads, nc, chunk, -1) for t in (q, k, v))
+    g, beta = g.reshape(heads, nc, chunk), beta.reshape(heads, nc, chunk)
+
+    cum = g.cumsum(-1)  # log-decay from the chunk start to each position
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), i >= j
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # (I + A) with A = strict lower part of (beta k k^T) * decay; solve_triangular ignores the stored diagonal.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()
+
+    out = torch.empty_like(v)
+    for c in range(nc):
+        v_new = u[:, c] - w[:, c] @ state
+        out[:, c] = q_decayed[:, c] @ state + intra[:, c] @ v_new
+        state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ v_new
+    out = out.reshape(heads, nc * chunk, -1)[:, :n]
+    return out.transpose(0, 1), state
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: list[int],
+    state_slots: list[int],
+    has_initial_state: list[bool],
+) -> torch.Tensor:
+    """Flat batch: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; ssm_state [S, Hv, Dk, Dv] fp32.
+    Returns out [T, Hv, Dv] in v's dtype and writes each request's final state into its slot."""
+    out = torch.empty_like(v)
+    for r, slot in enumerate(state_slots):
+        s, e = query_start_loc[r], query_start_loc[r + 1]
+        if e == s:
+            continue
+        init = ssm_state[slot] if has_initial_state[r] else ssm_state.new_zeros(ssm_state.shape[1:])
+        fn = recurrent_gated_delta_rule_ref if e - s == 1 else chunk_gated_delta_rule_ref
+        o, final = fn(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init.float())
+        out[s:e] = o.to(out.dtype)
+        ssm_state[slot] = final
+    return out

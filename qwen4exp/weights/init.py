@@ -1,0 +1,39 @@
+"""Random values for every parameter, shared by `load_format="dummy"` and `make-random` checkpoints.
+
+Every tensor gets non-trivial values (norm weights and conv kernels included, unlike a training init that zeroes
+them) so that parity tests notice any component that is computed wrongly. Scales keep activations O(1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def fill_(name: str, t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill `t` (named as in the model, e.g. model.layers.0.linear_attn.A_log) in place and return it."""
+    g = generator
+    work = t if t.dtype in (torch.float32, torch.float64) else torch.empty(t.shape, dtype=torch.float32, device=t.device)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "A_log":
+        work.uniform_(0.5, 8.0, generator=g).log_()
+    elif leaf == "dt_bias":
+        work.normal_(1.0, 0.1, generator=g)
+    elif "linear_attn.norm." in name:  # gated norm, weight applied as-is
+        work.normal_(1.0, 0.1, generator=g)
+    elif "norm" in name.rsplit(".", 2)[-2] or "layernorm" in name:  # zero-centred norms, applied as 1 + w
+        work.normal_(0.0, 0.1, generator=g)
+    elif "conv1d" in name:
+        work.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=g)
+    elif name.endswith("embed_tokens.weight") or "ngram_embedding" in name:
+        work.normal_(0.0, 1.0, generator=g)
+    elif name.endswith("experts.down_proj") or name.endswith("experts.gate_up_proj"):
+        work.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=g)
+    elif name.endswith("lm_head.weight"):
+        work.normal_(0.0, 4.0 / math.sqrt(t.shape[-1]), generator=g)
+    else:  # linear layers [out, in]
+        work.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=g)
+    if work is not t:
+        t.copy_(work)
+    return t

@@ -1,0 +1,110 @@
+"""Streaming safetensors writing: the header is computed from shapes, then tensors are produced and written one at
+a time, so a checkpoint larger than memory can be generated."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
+
+import torch
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+           torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.tensor([], dtype=dtype).element_size()
+
+
+def write_safetensors(
+    path: str, specs: list[tuple[str, tuple[int, ...], torch.dtype]], produce: Callable[[str], torch.Tensor]
+) -> None:
+    """Write `specs` (name, shape, dtype) to `path`, calling produce(name) for each tensor just before writing it."""
+    header, offset = {}, 0
+    for name, shape, dtype in specs:
+        size = _nbytes(shape, dtype)
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * ((-len(blob)) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, shape, dtype in specs:
+            t = produce(name)
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, declared {shape} {dtype}")
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def write_sharded(
+    out_dir: str,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    produce: Callable[[str], torch.Tensor],
+    max_shard_bytes: int = 4 << 30,
+) -> list[str]:
+    """Split specs into files of at most max_shard_bytes (a larger single tensor gets its own file) with an index."""
+    groups: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        nb = _nbytes(spec[1], spec[2])
+        if groups[-1] and size + nb > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += nb
+    if len(groups) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map, total = {}, 0
+    for fname, group in zip(names, groups):
+        write_safetensors(os.path.join(out_dir, fname), group, produce)
+        for name, shape, dtype in group:
+            weight_map[name] = fname
+            total += _nbytes(shape, dtype)
+    if len(names) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return names
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, f) for f in files]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir!r}")
+    return [os.path.join(model_dir, f) for f in found]
+
+
+def read_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the file headers, without reading data."""
+    shapes = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def iterate_files(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,78 @@
+"""A small byte-level BPE tokenizer with Qwen's special tokens and chat template, built offline."""
+
+from __future__ import annotations
+
+import json
+import os
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Once upon a time, there was a small engine that could serve large models on a single machine.
+Engineers measure throughput in tokens per second and latency in milliseconds; they report medians.
+The capital of France is Paris. The capital of Japan is Tokyo. Water boils at 100 degrees Celsius.
+def fibonacci(n):
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+for i in range(10):
+    print(i, fibonacci(i))
+import torch
+x = torch.randn(4, 8)
+y = x @ x.t()
+{"model": "qwen4exp", "prompt": "Hello, world!", "max_tokens": 16, "temperature": 0.0}
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 2048 65536 3.14159 2.71828 -1 +1 1e-6
+Punctuation: , . ; : ! ? ' " ( ) [ ] { } < > / \\ | @ # $ % ^ & * - _ = + ~ `
+Café, naïve, résumé, façade, jalapeño, Zürich, São Paulo, Kraków.
+Привет, как дела? Γειά σου κόσμε. 你好，世界。日本語のテキスト。한국어 문장입니다. مرحبا بالعالم.
+Emoji: 😀 🚀 🎉 👍 ❤️ 🐍 — en dash – and ellipsis … «quotes» „more quotes“.
+User: What is the weather like today?
+Assistant: I cannot check live weather, but I can explain how forecasts are made.
+Hyper-connections mix several residual streams; gated delta networks keep a recurrent state per head.
+Sparse attention selects the most relevant blocks of the context and always keeps the most recent tokens.
+"""
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 1024, model_max_length: int = 262144) -> dict[str, int]:
+    """Train a byte-level BPE on the built-in corpus; write tokenizer.json and tokenizer_config.json.
+    Returns the special token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1, ensure_ascii=False)
+    return ids
