@@ -1,0 +1,326 @@
+"""LLMEngine: add requests, then `step()` until done. One step = schedule -> execute -> sample -> update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig, ModelConfig, load_model_config
+from ..weights.loader import load_model
+from .cache import CacheManager
+from .detokenizer import IncrementalDetokenizer
+from .metrics import EngineMetrics
+from .request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, SamplingParams
+from .runner import ModelRunner, RequestChunk
+from .sampler import Sampler, prompt_logprobs
+from .scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("qwen4exp")
+
+
+def resolve_dtype(dtype, model_config: ModelConfig, device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        return getattr(torch, model_config.torch_dtype)
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16,
+             "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype: unknown {dtype!r} (auto, float32, bfloat16, float16)")
+    return names[dtype]
+
+
+@dataclass
+class _Parent:
+    """A client request; with n > 1 it fans out into n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | None,
+        engine_config: EngineConfig | None = None,
+        dtype="auto",
+        device: str | None = None,
+        load_format: str = "auto",
+        weights=None,
+        tokenizer=None,
+        model_config: ModelConfig | None = None,
+    ):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_config = model_config or load_model_config(model)
+        mc = self.model_config
+        self.config = engine_config or EngineConfig()
+        self.dtype = resolve_dtype(dtype, mc, self.device)
+        torch.manual_seed(self.config.seed)
+        self.model = load_model(mc, model, self.dtype, self.device, load_format, weights, seed=self.config.seed)
+        self.cache = CacheManager(mc, self.config, self.dtype, self.device)
+        self.scheduler = Scheduler(self.config, self.cache)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.sampler = Sampler(self.device, self.config.seed)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
+        self.metrics = EngineMetrics()
+        self._parents: dict[str, _Parent] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.eos_token_ids = list(mc.stop_token_ids)
+
+    # ----- requests -----
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        text, ids = self._tokenize_prompt(prompt)
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        limit = self.config.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
+                f"Please reduce the length of the messages or completion."
+            )
+        if max_tokens < 1:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={limit}")
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(child_id, list(ids), params, index=i, parent_id=request_id, prompt=text, arrival_time=now,
+                          max_tokens=max_tokens)
+            req.logprobs = [] if params.logprobs is not None else None
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+            if params.detokenize and self.tokenizer is not None:
+                self._detok[child_id] = IncrementalDetokenizer(
+                    self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens,
+                    params.stop, params.include_stop_str_in_output,
+                )
+            children.append(req)
+            self.scheduler.add(req)
+        self._parents[request_id] = _Parent(request_id, text, list(ids), children)
+
+    def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass prompt_token_ids instead")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt: expected a string, a list of token ids or {'prompt_token_ids': [...]}")
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for req in parent.children:
+            if not req.finished:
+                self.scheduler.finish(req)
+                req.finish_reason = "abort"
+            self._forget(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ----- the step -----
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.preempted:
+            self.metrics.preemptions.inc(len(sched.preempted))
+        if not sched.scheduled:
+            self._update_gauges()
+            return []
+        logits = self.runner.execute(self._chunks(sched))
+        touched = self._update(sched, logits)
+        self._update_gauges()
+        return [self._output(p) for p in touched]
+
+    def _chunks(self, sched: SchedulerOutput) -> list[RequestChunk]:
+        n_ctx = self.model_config.ngram_size - 1
+        chunks = []
+        for s in sched.scheduled:
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_tokens
+            chunks.append(RequestChunk(
+                token_ids=req.token_ids(start, end),
+                context_len=start,
+                history=req.token_ids(max(0, start - n_ctx), start),
+                pages=req.pages,
+                state_slot=req.state_slot,
+                logits_from=self._logits_from(req, start, end) - start,
+            ))
+        return chunks
+
+    @staticmethod
+    def _logits_from(req: Request, start: int, end: int) -> int:
+        """First position of the chunk whose logits are needed (end for none)."""
+        samples = end == req.num_tokens
+        if req.prompt_logprobs is not None:
+            pending = len(req.prompt_logprobs) - 1  # prompt logprobs come from positions pending.. prompt_len-2
+            if pending < req.num_prompt_tokens - 1 and pending < end:
+                return max(start, pending)
+        return end - 1 if samples else end
+
+    def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[_Parent]:
+        row = 0
+        sample_rows, sample_reqs = [], []
+        for s in sched.scheduled:
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_tokens
+            first = self._logits_from(req, start, end)
+            n_rows = end - first
+            if req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1:
+                upto = min(end, req.num_prompt_tokens - 1)
+                self._record_prompt_logprobs(req, logits[row: row + upto - first], first)
+            self.metrics.prompt_tokens.inc(max(0, min(end, req.num_prompt_tokens) - start))
+            req.num_computed_tokens = end
+            if end == req.num_tokens:
+                sample_rows.append(row + n_rows - 1)
+                sample_reqs.append(req)
+            row += n_rows
+        touched: dict[str, _Parent] = {}
+        if sample_reqs:
+            stop_ids = [self._stop_ids(r) for r in sample_reqs]
+            out = self.sampler(logits[torch.tensor(sample_rows, device=logits.device)], sample_reqs, stop_ids)
+            now = time.monotonic()
+            for i, req in enumerate(sample_reqs):
+                self._append(req, out, i, now)
+                touched[req.parent_id] = self._parents[req.parent_id]
+        for s in sched.scheduled:
+            if s.request.prompt_logprobs is not None and s.request.parent_id in self._parents:
+                touched.setdefault(s.request.parent_id, self._parents[s.request.parent_id])
+        return list(touched.values())
+
+    def _stop_ids(self, req: Request) -> list[int]:
+        ids = list(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            ids += [t for t in self.eos_token_ids if t not in ids]
+        return ids
+
+    def _record_prompt_logprobs(self, req: Request, rows: torch.Tensor, first: int) -> None:
+        k = req.params.prompt_logprobs
+        targets = req.prompt_token_ids[first + 1: first + 1 + rows.shape[0]]
+        chosen, ranks, top_ids, top_lps = prompt_logprobs(rows, targets, k)
+        for j, tok in enumerate(targets):
+            entry = {tok: Logprob(chosen[j], ranks[j], self._piece(tok))}
+            for tid, lp in zip(top_ids[j], top_lps[j]):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, top_ids[j].index(tid) + 1, self._piece(tid))
+            req.prompt_logprobs.append(entry)
+
+    def _piece(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _append(self, req: Request, out, i: int, now: float) -> None:
+        tok = out.token_ids[i]
+        req.output_token_ids.append(tok)
+        self.metrics.generation_tokens.inc()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        req.cumulative_logprob += out.logprobs[i]
+        if req.logprobs is not None:
+            entry = {tok: Logprob(out.logprobs[i], out.ranks[i], self._piece(tok))}
+            for rank, (tid, lp) in enumerate(zip(out.topk_ids[i], out.topk_logprobs[i]), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, rank, self._piece(tid))
+            req.logprobs.append(entry)
+        detok = self._detok.get(req.request_id)
+        if detok is not None and detok.add(tok):
+            return self._finish(req, "stop", detok.stop_reason)
+        n_out = len(req.output_token_ids)
+        if n_out >= req.params.min_tokens:
+            if tok in req.params.stop_token_ids:
+                return self._finish(req, "stop", tok)
+            if not req.params.ignore_eos and tok in self.eos_token_ids:
+                return self._finish(req, "stop", None)
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            self._finish(req, "length", None)
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.scheduler.finish(req)
+        self.sampler.release(req)
+        self.metrics.finished.labels(finished_reason=reason).inc()
+        self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
+
+    def _forget(self, req: Request) -> None:
+        self._detok.pop(req.request_id, None)
+        self.sampler.release(req)
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        outputs = []
+        for req in parent.children:
+            detok = self._detok.get(req.request_id)
+            if detok is None:
+                text = ""
+            elif req.finished:
+                text = detok.flush()
+            else:
+                text = detok.text[: len(detok.text) - detok.held_back()]
+            outputs.append(CompletionOutput(
+                index=req.index, text=text, token_ids=list(req.output_token_ids),
+                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                logprobs=req.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            ))
+        finished = all(r.finished for r in parent.children)
+        first = parent.children[0]
+        out = RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs, outputs=outputs, finished=finished,
+            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
+                     "num_preemptions": sum(r.num_preemptions for r in parent.children)},
+        )
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for req in parent.children:
+                self._forget(req)
+        return out
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.cache_usage.set(self.cache.usage)
+
+
+def _load_tokenizer(model_dir: str | None):
+    if model_dir is None:
+        return None
+    import os
+
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")) and not os.path.isfile(
+        os.path.join(model_dir, "tokenizer_config.json")
+    ):
+        logger.warning("no tokenizer in %s: text prompts and detokenization are disabled", model_dir)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+__all__ = ["LLMEngine", "RequestStatus"]

@@ -1,0 +1,129 @@
+"""Sampling with vLLM's semantics.
+
+Order per row: logprobs are taken from the raw logits (vLLM's default `raw_logprobs`); then logit_bias and
+min_tokens masking, repetition / frequency / presence penalties; greedy rows take the argmax; the rest are divided
+by the temperature, filtered by min_p, top_k and top_p, and sampled with the exponential race
+argmax(p / q), q ~ Exp(1). A request with a seed draws q from its own generator, so its tokens do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each sampled token
+    ranks: list[int]  # 1-based rank of the sampled token under the raw distribution
+    topk_ids: list[list[int]]  # per row, the k most likely ids (k = the request's logprobs), else []
+    topk_logprobs: list[list[float]]
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    for i, req in enumerate(requests):
+        p = req.params
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
+            vals = torch.tensor([p.logit_bias[t] for t in ids.tolist()], dtype=logits.dtype)
+            logits[i, ids.to(logits.device)] += vals.to(logits.device)
+        if len(req.output_token_ids) < p.min_tokens and stop_ids[i]:
+            logits[i, torch.tensor(stop_ids[i], device=logits.device)] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(req.prompt_token_ids + req.output_token_ids, dtype=torch.long, device=logits.device)] = True
+            row = logits[i]
+            logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+        if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
+            counts = torch.bincount(
+                torch.tensor(req.output_token_ids, device=logits.device), minlength=vocab
+            )[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p on non-greedy rows (masked entries become -inf)."""
+    temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=logits.device)
+    logits = logits / temps[:, None]
+    min_p = torch.tensor([r.params.min_p for r in requests], dtype=logits.dtype, device=logits.device)
+    if (min_p > 0).any():
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    top_k = [r.params.top_k for r in requests]
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype, device=logits.device)
+    if any(top_k) or (top_p < 1).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+        pos = torch.arange(vocab, device=logits.device)[None, :]
+        drop = pos >= k[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(-1) - probs  # mass strictly above each token
+        drop |= (before >= top_p[:, None]) & (pos > 0)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+class Sampler:
+    def __init__(self, device, seed: int = 0):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, req: Request) -> torch.Generator:
+        if req.params.seed is None:
+            return self.generator
+        g = self.request_generators.get(req.request_id)
+        if g is None:
+            seed = req.params.seed + req.index  # n > 1 children get distinct streams, as in vLLM
+            g = self.request_generators[req.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return g
+
+    def release(self, req: Request) -> None:
+        self.request_generators.pop(req.request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> SamplerOutput:
+        """logits: [B, V] fp32 raw logits, one row per request that samples this step."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_penalties(logits.clone(), requests, stop_ids)
+        tokens = logits.argmax(-1)
+        sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            probs = torch.softmax(_filter(logits[rows], [requests[i] for i in sampled_rows]), dim=-1)
+            q = torch.empty_like(probs)
+            for j, i in enumerate(sampled_rows):
+                q[j].exponential_(generator=self.generator_for(requests[i]))
+            tokens[rows] = (probs / q).argmax(-1)
+        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1
+        max_k = max((r.params.logprobs or 0) for r in requests)
+        topk_ids, topk_lps = [[] for _ in requests], [[] for _ in requests]
+        if max_k:
+            vals, ids = raw_logprobs.topk(min(max_k, logits.shape[-1]), dim=-1)
+            vals, ids = vals.tolist(), ids.tolist()
+            for i, r in enumerate(requests):
+                k = r.params.logprobs or 0
+                topk_ids[i], topk_lps[i] = ids[i][:k], vals[i][:k]
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), ranks.tolist(), topk_ids, topk_lps)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int):
+    """Raw logprobs of `next_tokens` under each row, their ranks, and the top-k. Returns python lists."""
+    lp = torch.log_softmax(logits, dim=-1)
+    tgt = torch.tensor(next_tokens, device=lp.device)
+    chosen = lp.gather(1, tgt[:, None])[:, 0]
+    ranks = (lp > chosen[:, None]).sum(-1) + 1
+    if k:
+        vals, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+    else:
+        vals = ids = [[] for _ in next_tokens]
+    return chosen.tolist(), ranks.tolist(), ids, vals

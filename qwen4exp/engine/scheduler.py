@@ -1,0 +1,116 @@
+"""Continuous batching over a token budget. Pure CPU bookkeeping: it hands out pages and state slots (integers)
+and never touches tensors.
+
+Each step gets `max_num_batched_tokens`. Running requests go first, decodes (one token left to compute) before
+chunked prefills, then waiting requests are admitted in arrival order while the budget, `max_num_seqs` and free
+pages allow. When a running request needs a page and none is free, the newest running request is preempted: its
+pages and slot are freed and it waits at the head of the queue to be recomputed from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import EngineConfig
+from .cache import CacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: CacheManager):
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # decodes first, then running prefills, each group in arrival order
+        queue = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival_time))
+        for req in queue:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted while making room for an earlier one
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, req.num_computed_tokens + n, out):
+                continue
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            pages = self.cache.pages_needed(req.num_computed_tokens + n)
+            if pages > self.cache.pages.num_free or self.cache.slots.num_free == 0:
+                break
+            self.waiting.popleft()
+            req.pages = self.cache.pages.allocate(pages)
+            req.state_slot = self.cache.slots.allocate(1)[0]
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return out
+
+    def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Make req hold pages for num_tokens, preempting the newest running requests if needed."""
+        need = self.cache.pages_needed(num_tokens) - len(req.pages)
+        while need > self.cache.pages.num_free:
+            victim = max(self.running, key=lambda r: r.arrival_time)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        if need > 0:
+            req.pages += self.cache.pages.allocate(need)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        out.preempted.append(req)
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.cache.pages.free(req.pages)
+        req.pages = []
+        if req.state_slot is not None:
+            self.cache.slots.free([req.state_slot])
+            req.state_slot = None
+
+    def finish(self, req: Request) -> None:
+        """Free everything a finished or aborted request holds."""
+        if req.status == RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED

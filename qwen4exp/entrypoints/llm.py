@@ -1,0 +1,102 @@
+"""Offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from ..config import EngineConfig
+from ..engine.engine import LLMEngine
+from ..engine.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        seed: int = 0,
+        load_format: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        cpu_cache_bytes: int = 1 << 30,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        enforce_eager: bool = False,
+        weights=None,
+        tokenizer=None,
+        model_config=None,
+    ):
+        config = EngineConfig(
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed, gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
+            num_pages=num_pages, page_size=page_size, enforce_eager=enforce_eager,
+        )
+        self.llm_engine = LLMEngine(model, config, dtype=dtype, device=device, load_format=load_format,
+                                    weights=weights, tokenizer=tokenizer, model_config=model_config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("sampling_params: must be one SamplingParams or one per prompt")
+        ids = []
+        for prompt, params in zip(prompts, sampling_params):
+            rid = str(next(self._ids))
+            self.llm_engine.add_request(rid, prompt, params)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`messages` is one conversation (list of {"role", "content"}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = [
+            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                         tokenize=True, return_dict=False,
+                                                         **(chat_template_kwargs or {}))}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True,
+                       postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        t0 = time.perf_counter()
+        n_in = n_out = 0
+        wanted = set(ids)
+        while engine.has_unfinished_requests() and len(done) < len(ids):
+            for out in engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    n_in += len(out.prompt_token_ids)
+                    n_out += sum(len(o.token_ids) for o in out.outputs)
+                    if bar is not None:
+                        elapsed = time.perf_counter() - t0
+                        bar.postfix = (f"est. speed input: {n_in / elapsed:.2f} toks/s, "
+                                       f"output: {n_out / elapsed:.2f} toks/s")
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
