@@ -259,15 +259,22 @@ def load_model_config(model_dir: str) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in {model_dir!r}")
     raw = read_json(path)
     model_type = raw.get("model_type")
+    if model_type == "qwen4_exp":
+        text = dict(raw.get("text_config") or {})
+        text.setdefault("eos_token_id", raw.get("eos_token_id"))
+    elif model_type == "qwen4_exp_text":
+        text = {k: v for k, v in raw.items() if k != "model_type"}
+    else:
+        raise ConfigError("model_type", f"expected 'qwen4_exp' or 'qwen4_exp_text', got {model_type!r}")
+    # Our checks first (their errors name the field), then transformers normalises the config.
+    ModelConfig.from_hf(_with_defaults(text, Qwen4ExpTextConfig))
     try:
         if model_type == "qwen4_exp":
             hf = Qwen4ExpConfig(**{k: v for k, v in raw.items() if k != "model_type"}).text_config
             if hf.eos_token_id is None and raw.get("eos_token_id") is not None:
                 hf.eos_token_id = raw["eos_token_id"]
-        elif model_type == "qwen4_exp_text":
-            hf = Qwen4ExpTextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
         else:
-            raise ConfigError("model_type", f"expected 'qwen4_exp' or 'qwen4_exp_text', got {model_type!r}")
+            hf = Qwen4ExpTextConfig(**text)
     except StrictDataclassError as e:
         raise ConfigError(_field_from_hf_error(e), str(e).replace("\n", " ")) from None
     stop = ()
@@ -277,6 +284,39 @@ def load_model_config(model_dir: str) -> ModelConfig:
         if eos is not None:
             stop = tuple(eos) if isinstance(eos, list) else (eos,)
     return ModelConfig.from_hf(hf, stop)
+
+
+def _with_defaults(text: dict, hf_class):
+    """A config-like namespace: the file's values over transformers' class defaults, with layer_types derived the
+    way the reference derives them (so validation sees what the model would be built from)."""
+    from types import SimpleNamespace
+
+    ns = SimpleNamespace(**{
+        name: getattr(hf_class, name) for name in dir(hf_class)
+        if not name.startswith("_") and not callable(getattr(hf_class, name)) and not isinstance(
+            getattr(hf_class, name), (property, dict))
+    })
+    for key, value in text.items():
+        setattr(ns, key, value)
+    if not isinstance(ns.num_hidden_layers, int) or isinstance(ns.num_hidden_layers, bool):
+        raise ConfigError("num_hidden_layers", f"must be an integer, got {ns.num_hidden_layers!r}")
+    if ns.layer_types is None:
+        interval = text.get("full_attention_interval", 4)
+        ns.layer_types = [LINEAR if (i + 1) % interval else INDEXED for i in range(ns.num_hidden_layers)]
+    ns.layer_types = [INDEXED if t == "full_attention" else t for t in ns.layer_types]
+    ns.ple_layer_ids = sorted(set(ns.ple_layer_ids or []))
+    for name in ("hidden_size", "num_attention_heads"):
+        value = getattr(ns, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(name, f"must be a positive integer, got {value!r}")
+    rope = dict(text.get("rope_parameters") or {"rope_type": "default"})
+    for legacy in ("rope_theta", "partial_rotary_factor"):  # older configs keep these at the top level
+        if legacy in text:
+            rope.setdefault(legacy, text[legacy])
+    rope.setdefault("rope_theta", 10000.0)
+    ns.rope_parameters = rope
+    ns.dtype = text.get("dtype") or text.get("torch_dtype")
+    return ns
 
 
 def _field_from_hf_error(e: Exception) -> str:

@@ -89,22 +89,39 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in found]
 
 
+def _header(f) -> tuple[dict, int]:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 def read_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape from the file headers, without reading data."""
     shapes = {}
     for path in files:
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+            header, _ = _header(f)
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items()})
     return shapes
 
 
-def iterate_files(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) pairs, one tensor in memory at a time."""
-    from safetensors import safe_open
+_BY_NAME = {v: k for k, v in _DTYPES.items()} | {"BOOL": torch.bool, "F64": torch.float64}
 
+
+def iterate_files(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs in file order, one tensor in memory at a time.
+
+    Plain reads rather than mmap: a mapped file's pages count as resident memory of the process until it is
+    unmapped, which would make a loading process look (and, under memory limits, behave) like it holds the
+    checkpoint twice.
+    """
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        with open(path, "rb") as f:
+            header, base = _header(f)
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                start, end = info["data_offsets"]
+                buf = torch.empty(end - start, dtype=torch.uint8)
+                f.seek(base + start)
+                f.readinto(memoryview(buf.numpy()))
+                yield name, buf.view(_BY_NAME[info["dtype"]]).reshape(info["shape"])

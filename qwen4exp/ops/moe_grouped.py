@@ -1,0 +1,61 @@
+"""Routed experts through `torch._grouped_mm`: a pure-torch fast path for large token counts (prefill).
+
+Same contract as `qwen4exp.ops.moe.moe_experts`:
+    x [N, H], gate_up [E, 2I, H] (gate rows first), down [E, H, I], topk_ids [N, k] (int64/int32),
+    topk_weights [N, k]  ->  [N, H] in x's dtype.
+
+The N*k (token, slot) pairs are sorted by expert, each expert's contiguous run goes through one grouped GEMM
+(CUTLASS on sm90 for bf16), and the k rows per token are summed after scattering back. Every step has shapes fixed
+by N, k and E and reads the group offsets on the device, so nothing syncs with the host. `torch._grouped_mm` is a
+private op: `grouped_mm_available` guards it and `grouped_moe` falls back to the reference otherwise.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .moe import moe_experts
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """True when `torch._grouped_mm` can take x's dtype on x's device (static: decided by dtype/device only)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        # The CUTLASS kernel is bf16-only and needs Hopper or later; older GPUs would hit a slow fallback or fail.
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
+def grouped_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as `moe_experts` (see the module docstring)."""
+    if not grouped_mm_available(x):
+        return moe_experts(x, gate_up, down, topk_ids, topk_weights)
+    num_tokens, top_k = topk_ids.shape
+    num_experts = gate_up.shape[0]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    # scatter_add instead of bincount: bincount's output size depends on the data, so it syncs on CUDA.
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    xs = x[order // top_k]
+    # Weights as stored ([E, out, in]) transposed to [E, in, out]: a column-major view, which the op accepts
+    # without a copy.
+    gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+
+    # Scatter back to pair order and sum per token rather than index_add_: deterministic (no atomics).
+    out_pairs = torch.empty_like(y)
+    out_pairs[order] = y
+    return out_pairs.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

@@ -1,0 +1,318 @@
+"""Paged (sparse) GQA attention in Triton: one flat batch of query tokens over the paged KV cache.
+
+Shapes:
+    q             [T, Hq, D]               query tokens of all requests, any order
+    key_cache     [P, page, Hkv, D]        value_cache likewise (layout of `qwen4exp.ops.attention`)
+    block_tables  [R, max_pages] int32     page ids of each request
+    token_req     [T] int                  request (block-table row) of each token
+    token_pos     [T] int                  logical position of each token in its request (its own K/V already cached)
+    selected      [T, W] int32 or None     logical positions each token attends to (-1 padded, any order), e.g. from
+                                           QSA selection; None means dense causal over positions 0..token_pos
+    out           [T, Hq, D]               q's dtype
+
+Work decomposition: one program per (token, kv head, split). The Hq/Hkv query heads sharing a kv head form the M
+dimension of the tile matmuls (padded to 16, the tensor-core minimum), so each gathered K/V tile is loaded once per
+group rather than once per query head. Key tiles of BLOCK_N logical positions are gathered through the block table
+and folded into an fp32 online softmax. With num_splits > 1 every split writes its partial (m, l, acc) to a
+workspace and a second kernel merges them: decode at long context has only T * Hkv programs, far too few to fill
+the GPU, so the key range is cut into num_splits pieces instead.
+
+Everything is a pure function of tensor shapes (no host reads of tensor values), so a decode step is CUDA-graph
+capturable once the caller fixes T and num_splits.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_TARGET_PROGRAMS_PER_SM = 2
+_DEFAULT_SM_COUNT = 132  # H200; only used when no CUDA device can be asked (interpreter runs)
+_MIN_KEYS_PER_SPLIT = 256
+
+
+@triton.jit
+def _attn_tile(
+    q, m_i, l_i, acc, kpos, valid, req_row_ptr, k_head_ptr, v_head_ptr,
+    stride_kp, stride_kr, stride_vp, stride_vr, qk_scale, offs_d, d_mask,
+    PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    page_id = tl.load(req_row_ptr + kpos // PAGE, mask=valid, other=0).to(tl.int64)
+    row = (kpos % PAGE).to(tl.int64)
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_head_ptr + page_id[:, None] * stride_kp + row[:, None] * stride_kr + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [G, N], log2 domain
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen no key yet keeps m = -inf; anchoring it at 0 avoids (-inf) - (-inf) = nan
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head_ptr + page_id[:, None] * stride_vp + row[:, None] * stride_vr + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, sel_ptr,
+    out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    qk_scale, W,
+    stride_qt, stride_qh,
+    stride_kp, stride_kr, stride_kh,
+    stride_vp, stride_vr, stride_vh,
+    stride_bt, stride_sel,
+    stride_ot, stride_oh,
+    HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SEL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = tl.load(req_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    if HAS_SEL:
+        length = W + 0 * pos  # W entries to scan, typed like pos for the split arithmetic below
+    else:
+        length = pos + 1
+    # splits share a token's key range evenly, in whole tiles, so a split's work tracks that token's context
+    tiles_per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, length)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    req_row_ptr = bt_ptr + req * stride_bt
+    k_head_ptr = k_ptr + kvh * stride_kh
+    v_head_ptr = v_ptr + kvh * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + offs_n
+        if HAS_SEL:
+            kpos = tl.load(sel_ptr + t * stride_sel + offs, mask=offs < end, other=-1).to(tl.int64)
+            valid = kpos >= 0
+            # selections are -1 padded up to W: short contexts would otherwise pay for a full W-wide scan
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                m_i, l_i, acc = _attn_tile(
+                    q, m_i, l_i, acc, kpos, valid, req_row_ptr, k_head_ptr, v_head_ptr,
+                    stride_kp, stride_kr, stride_vp, stride_vr, qk_scale, offs_d, d_mask, PAGE, DOT_PREC,
+                )
+        else:
+            m_i, l_i, acc = _attn_tile(
+                q, m_i, l_i, acc, offs, offs < end, req_row_ptr, k_head_ptr, v_head_ptr,
+                stride_kp, stride_kr, stride_vp, stride_vr, qk_scale, offs_d, d_mask, PAGE, DOT_PREC,
+            )
+
+    if NUM_SPLITS == 1:
+        # l == 0 only for a query that sees nothing (not produced by valid metadata); emit 0 rather than nan
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        ws_row = (t * HQ + heads) * NUM_SPLITS + split  # workspace [T, Hq, S(, D)]
+        tl.store(ws_m_ptr + ws_row, m_i, mask=g_mask)
+        tl.store(ws_l_ptr + ws_row, l_i, mask=g_mask)
+        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, stride_ot, stride_oh,
+    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * HQ + h) * NUM_SPLITS
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m = tl.load(ws_m_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.zeros([1], tl.float32)
+    o = tl.zeros([BLOCK_D], tl.float32)
+    # one split at a time: a [S, D] fp32 tile would not fit in registers for D = 256 and S ~ 100
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(ws_m_ptr + base + s) - m_max)  # empty splits have m = -inf, weight 0
+        l_tot += w * tl.load(ws_l_ptr + base + s)
+        o += w * tl.load(ws_acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+    o = o / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+_sm_count_cache: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SM_COUNT
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count_cache:
+        _sm_count_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count_cache[idx]
+
+
+def default_num_splits(num_tokens: int, num_kv_heads: int, max_keys: int, device: torch.device) -> int:
+    """Splits so that T * Hkv * splits covers the SMs a couple of times, keeping >= 256 keys per split.
+
+    Depends only on static sizes (max_keys: W, or the block table's capacity for dense), so the value a decode
+    graph is captured with stays valid for every replay.
+    """
+    programs = num_tokens * num_kv_heads
+    want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _sm_count(device), max(programs, 1))
+    return max(1, min(want, triton.cdiv(max_keys, _MIN_KEYS_PER_SPLIT)))
+
+
+def sparse_paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_req: torch.Tensor,
+    token_pos: torch.Tensor,
+    scale: float,
+    selected: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """GQA attention of each token over its request's paged cache: the `selected` positions, or dense causal.
+
+    num_splits: key-range splits per (token, kv head); None picks `default_num_splits` from static sizes. A CUDA
+    graph must be captured and replayed with the same value (it is a pure function of the shapes, so None is fine).
+    block_n / num_warps / num_stages: tuning overrides. Softmax and accumulation in fp32; returns q's dtype.
+    """
+    T, hq, D = q.shape
+    _, page, hkv, _ = key_cache.shape
+    assert hq % hkv == 0, (hq, hkv)
+    assert value_cache.shape == key_cache.shape
+    group = hq // hkv
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    has_sel = selected is not None
+    if has_sel:
+        assert selected.shape[0] == T and selected.stride(-1) == 1
+        W = selected.shape[1]
+        max_keys = W
+        sel_arg, stride_sel = selected, selected.stride(0)
+    else:
+        W = 0
+        max_keys = block_tables.shape[1] * page
+        sel_arg, stride_sel = token_pos, 0  # never read: HAS_SEL is a constexpr
+
+    block_d = triton.next_power_of_2(D)
+    block_g = max(16, triton.next_power_of_2(group))
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    if num_warps is None:
+        num_warps = 4 if block_d <= 128 else 8
+    if num_stages is None:
+        num_stages = 2
+    if num_splits is None:
+        num_splits = default_num_splits(T, hkv, max_keys, q.device)
+    num_splits = max(1, int(num_splits))
+
+    if num_splits > 1:
+        ws_m = torch.empty(T, hq, num_splits, dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty(T, hq, num_splits, D, dtype=torch.float32, device=q.device)
+    else:
+        ws_m = ws_l = ws_acc = out  # unused placeholders
+
+    # fp32 caches would otherwise run the dots in tf32 on tensor cores and drift from the fp32 reference
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _sparse_paged_attn_kernel[(T, hkv, num_splits)](
+        q, key_cache, value_cache, block_tables, token_req, token_pos, sel_arg,
+        out, ws_m, ws_l, ws_acc,
+        float(scale) * _LOG2E, W,
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), stride_sel,
+        out.stride(0), out.stride(1),
+        HQ=hq, GROUP=group, HEAD_DIM=D, PAGE=page,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, HAS_SEL=has_sel, DOT_PREC=dot_prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(T, hq)](
+            ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1),
+            HQ=hq, HEAD_DIM=D, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4 if block_d <= 128 else 8,
+        )
+    return out
+
+
+def sparse_paged_attention_ref(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_req: torch.Tensor,
+    token_pos: torch.Tensor,
+    scale: float,
+    selected: torch.Tensor | None = None,
+    max_chunk_elems: int = 1 << 26,
+) -> torch.Tensor:
+    """Vectorised torch definition of `sparse_paged_attention` (fp32 throughout), chunked over tokens.
+
+    Dense mode gathers the block table's full capacity (max_pages * page keys) per token, masked causally.
+    """
+    T, hq, D = q.shape
+    _, page, hkv, _ = key_cache.shape
+    group = hq // hkv
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    flat_k = key_cache.reshape(-1, hkv, D)
+    flat_v = value_cache.reshape(-1, hkv, D)
+    L = selected.shape[1] if selected is not None else block_tables.shape[1] * page
+    chunk = max(1, max_chunk_elems // max(1, L * hkv * D))
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        req = token_req[s:e].long()
+        if selected is None:
+            kpos = torch.arange(L, device=q.device).expand(e - s, L)
+            valid = kpos <= token_pos[s:e, None].long()
+        else:
+            kpos = selected[s:e].long()
+            valid = kpos >= 0
+        kpos = kpos.clamp(min=0)
+        # masked positions may hit block-table padding: point them at page 0 instead of reading garbage ids
+        pages = torch.where(valid, block_tables[req[:, None], kpos // page].long(), 0)
+        slots = pages * page + kpos % page
+        k = flat_k[slots].float()  # [n, L, Hkv, D]
+        v = flat_v[slots].float()
+        qg = q[s:e].float().view(e - s, hkv, group, D)
+        scores = torch.einsum("nkgd,nlkd->nkgl", qg, k) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[s:e] = torch.einsum("nkgl,nlkd->nkgd", probs, v).reshape(e - s, hq, D).to(q.dtype)
+    return out
+
+
+__all__ = ["sparse_paged_attention", "sparse_paged_attention_ref", "default_num_splits"]

@@ -1,0 +1,161 @@
+"""Decode-time causal depthwise conv1d with state slots: one Triton kernel over a padded batch, graph capturable.
+
+Each of B requests brings Lq consecutive inputs (Lq = 1 for decode, > 1 for speculative verification):
+x [B*Lq, C], weight [C, K], conv_state [S, C, L] with L = (K-1)*dilation holding each request's last L inputs,
+oldest first (treated as zeros where has_initial_state[b] is False). With window = [state (L), x_t] the token's
+output is act(sum_j weight[c, j] * window[c, j*dilation]), accumulated in fp32 and returned in x's dtype [B*Lq, C].
+conv_state[state_slots[b]] is updated in place to the last L inputs (new inputs are stored in the state's dtype, and
+are rounded to it before use, as the reference does); intermediate_states [B, Lq, C, L], when given, receives the
+state after every token.
+
+Padding rows carry slot 0 (the null slot): they read and write slot 0 only, which may hold garbage.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_window(state_base, x_base, stride_sl, stride_xt, shift, offs_p, sel, c_ok, init2d,
+                 LST: tl.constexpr, LQ: tl.constexpr):
+    """Positions shift + offs_p (where sel) of the history [state (LST), x_0 .. x_{LQ-1}] as fp32 [BC, LP]."""
+    pos = shift + offs_p
+    in_state = pos < LST
+    m_state = c_ok[:, None] & (sel & in_state)[None, :] & init2d
+    from_state = tl.load(state_base + pos[None, :] * stride_sl, mask=m_state, other=0.0).to(tl.float32)
+    xi = tl.maximum(pos - LST, 0)
+    m_x = c_ok[:, None] & (sel & (pos >= LST) & (xi < LQ))[None, :]
+    from_x = tl.load(x_base + xi[None, :] * stride_xt, mask=m_x, other=0.0)
+    # Inputs live on in the state's dtype, so they are rounded to it whether used now or after the next step.
+    from_x = from_x.to(state_base.dtype.element_ty).to(tl.float32)
+    return tl.where(in_state[None, :], from_state, from_x)
+
+
+@triton.jit
+def _causal_conv1d_update_kernel(
+    x_ptr, w_ptr, state_ptr, slots_ptr, has_init_ptr, out_ptr, inter_ptr,
+    C,
+    stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
+    stride_ib, stride_il, stride_ic, stride_is,
+    LQ: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
+    SILU: tl.constexpr, STORE_INTER: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    offs_p = tl.arange(0, LP)
+    c_ok = offs_c < C
+
+    slot = tl.load(slots_ptr + b)
+    has_init = tl.load(has_init_ptr + b).to(tl.int32)
+    # Full-shape mask (not scalar & tile): a fresh request's slot may hold NaNs, which must not be read.
+    init2d = (tl.zeros([BC, LP], dtype=tl.int32) + has_init) != 0
+    state_base = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
+    x_base = x_ptr + (b * LQ) * stride_xt + offs_c[:, None] * stride_xc
+
+    # Weights spread over window positions: tap j sits at position j*DIL, every other position weighs zero.
+    is_tap = (offs_p % DIL == 0) & (offs_p <= LST)
+    w = tl.load(w_ptr + offs_c[:, None] * stride_wc + (offs_p // DIL)[None, :] * stride_wk,
+                mask=c_ok[:, None] & is_tap[None, :], other=0.0).to(tl.float32)
+    in_state_len = offs_p < LST
+
+    for t in range(LQ):
+        win = _load_window(state_base, x_base, stride_sl, stride_xt, t, offs_p, is_tap, c_ok, init2d, LST, LQ)
+        acc = tl.sum(win * w, axis=1)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + (b * LQ + t) * stride_ot + offs_c * stride_oc, acc.to(out_ptr.dtype.element_ty), mask=c_ok)
+        if STORE_INTER:
+            after = _load_window(state_base, x_base, stride_sl, stride_xt, t + 1, offs_p, in_state_len, c_ok, init2d,
+                                 LST, LQ)
+            i_ptrs = (inter_ptr + b * stride_ib + t * stride_il + offs_c[:, None] * stride_ic
+                      + offs_p[None, :] * stride_is)
+            tl.store(i_ptrs, after.to(inter_ptr.dtype.element_ty), mask=c_ok[:, None] & in_state_len[None, :])
+
+    new_state = _load_window(state_base, x_base, stride_sl, stride_xt, LQ, offs_p, in_state_len, c_ok, init2d,
+                             LST, LQ)
+    # The shift moves values between positions, which other threads of this program may still be reading.
+    tl.debug_barrier()
+    tl.store(state_base + offs_p[None, :] * stride_sl, new_state.to(state_ptr.dtype.element_ty),
+             mask=c_ok[:, None] & in_state_len[None, :])
+
+
+def _check_activation(activation: str | None) -> bool:
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    return activation is not None
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dilation: int = 1,
+    activation: str | None = "silu",
+    num_tokens_per_req: int = 1,
+    intermediate_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See the module docstring."""
+    total, channels = x.shape
+    kernel = weight.shape[1]
+    state_len = (kernel - 1) * dilation
+    lq, B = num_tokens_per_req, state_slots.shape[0]
+    assert kernel >= 2 and weight.shape[0] == channels and total == B * lq
+    assert conv_state.shape[1:] == (channels, state_len), "conv_state must be [S, C, (K-1)*dilation]"
+    assert state_slots.dtype == torch.int64 and has_initial_state.shape == (B,)
+    if intermediate_states is not None:
+        assert intermediate_states.shape == (B, lq, channels, state_len)
+    silu = _check_activation(activation)
+
+    out = torch.empty((total, channels), dtype=x.dtype, device=x.device)
+    if total == 0:
+        return out
+    lp = triton.next_power_of_2(state_len + 1)  # the window: state plus the new input
+    bc = min(triton.next_power_of_2(channels), max(16, 1024 // lp))
+    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    inter = intermediate_states if intermediate_states is not None else conv_state  # never written when absent
+    inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 4
+    _causal_conv1d_update_kernel[(B, triton.cdiv(channels, bc))](
+        x, weight, conv_state, state_slots, has_init, out, inter,
+        channels,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(), out.stride(0), out.stride(1),
+        *inter_strides,
+        LQ=lq, LST=state_len, DIL=dilation, LP=lp, BC=bc, SILU=silu, STORE_INTER=intermediate_states is not None,
+        num_warps=4,
+    )
+    return out
+
+
+def causal_conv1d_update_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dilation: int = 1,
+    activation: str | None = "silu",
+    num_tokens_per_req: int = 1,
+    intermediate_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch definition of the same contract, vectorised over the batch (and itself free of host syncs)."""
+    total, channels = x.shape
+    state_len = conv_state.shape[-1]
+    lq, B = num_tokens_per_req, state_slots.shape[0]
+    silu = _check_activation(activation)
+
+    prev = conv_state[state_slots]
+    prev = torch.where(has_initial_state.bool()[:, None, None], prev, torch.zeros_like(prev))
+    new = x.reshape(B, lq, channels).transpose(1, 2).to(conv_state.dtype)
+    history = torch.cat([prev, new], dim=-1)  # [B, C, L + Lq]
+    y = F.conv1d(history.float(), weight.float()[:, None, :], groups=channels, dilation=dilation)  # [B, C, Lq]
+    if silu:
+        y = F.silu(y)
+    if intermediate_states is not None:
+        # window after token t = history[t+1 : t+1+L]
+        after = history.unfold(-1, state_len, 1)[:, :, 1:]  # [B, C, Lq, L]
+        intermediate_states.copy_(after.transpose(1, 2))
+    conv_state[state_slots] = history[:, :, lq:]
+    return y.transpose(1, 2).reshape(total, channels).to(x.dtype)

@@ -1,0 +1,167 @@
+"""Decode-time gated delta rule: one fused Triton kernel over a padded batch, CUDA-graph capturable.
+
+Each of B requests brings L consecutive tokens (L = 1 for decode, L > 1 for speculative verification):
+q, k [B*L, Hk, Dk] and v [B*L, Hv, Dv] (bf16/fp16/fp32), g [B*L, Hv] fp32 log-decay, beta [B*L, Hv]. Per value
+head h (query/key head h // (Hv // Hk)), with fp32 state S [Dk, Dv] taken from ssm_state[state_slots[b]] (zeros
+where has_initial_state[b] is False), q and k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5, each token does
+    S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
+Returns o [B*L, Hv, Dv] in v's dtype; writes the state after the last token back into ssm_state[state_slots[b]]
+(in place) and, when given, the state after every token into intermediate_states [B, L, Hv, Dk, Dv] fp32.
+
+Everything per request is read from device tensors and all shapes are fixed by B, so the call can be captured in a
+CUDA graph. Padding rows carry slot 0 (the null slot): they read and write slot 0 only, which may hold garbage.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .gated_delta import recurrent_gated_delta_rule_ref
+
+# Below this many programs an H200 (132 SMs) is underfed, so small batches get narrower value tiles.
+_MIN_PROGRAMS = 256
+
+
+@triton.jit
+def _fused_recurrent_gdn_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, has_init_ptr, inter_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    stride_ib, stride_il, stride_ih, stride_ik, stride_iv,
+    scale,
+    L: tl.constexpr, HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, STORE_INTER: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // HEAD_RATIO
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+
+    slot = tl.load(slots_ptr + b)
+    has_init = tl.load(has_init_ptr + b).to(tl.int32)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    # The mask is built at full shape (not scalar & tile): a fresh request's slot may hold NaNs, which must not be read.
+    init_mask = (tl.zeros([DK, BV], dtype=tl.int32) + has_init) != 0
+    state = tl.load(s_ptrs, mask=init_mask, other=0.0).to(tl.float32)
+
+    for t in range(L):
+        tok = b * L + t
+        q = tl.load(q_ptr + tok * stride_qt + hk * stride_qh + offs_k).to(tl.float32)
+        k = tl.load(k_ptr + tok * stride_kt + hk * stride_kh + offs_k).to(tl.float32)
+        v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + offs_v).to(tl.float32)
+        g = tl.load(g_ptr + tok * stride_gt + h * stride_gh).to(tl.float32)
+        beta = tl.load(beta_ptr + tok * stride_bt + h * stride_bh).to(tl.float32)
+        # Every value tile needs the full norms, so each program normalises its own copy of q and k.
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+        state = state * tl.exp(g)
+        u = (v - tl.sum(state * k[:, None], axis=0)) * beta
+        state = state + k[:, None] * u[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty))
+        if STORE_INTER:
+            i_ptrs = (inter_ptr + b * stride_ib + t * stride_il + h * stride_ih
+                      + offs_k[:, None] * stride_ik + offs_v[None, :] * stride_iv)
+            tl.store(i_ptrs, state)
+
+    tl.store(s_ptrs, state)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _block_v(num_heads_total: int, dv: int) -> int:
+    bv = min(dv, 32)
+    while bv > 8 and num_heads_total * (dv // bv) < _MIN_PROGRAMS:
+        bv //= 2
+    return bv
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    num_tokens_per_req: int = 1,
+    intermediate_states: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """See the module docstring. block_v overrides the value-tile width (a power of two dividing Dv)."""
+    total, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    L = num_tokens_per_req
+    B = state_slots.shape[0]
+    assert total == B * L and k.shape == q.shape and v.shape[0] == total, "q/k/v must hold B*L tokens"
+    assert hv % hk == 0 and _is_pow2(dk) and _is_pow2(dv), "grouped heads; Dk and Dv powers of two"
+    assert ssm_state.dtype == torch.float32 and ssm_state.shape[1:] == (hv, dk, dv)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert state_slots.dtype == torch.int64 and has_initial_state.shape == (B,)
+    if intermediate_states is not None:
+        assert intermediate_states.dtype == torch.float32 and intermediate_states.shape == (B, L, hv, dk, dv)
+    bv = block_v or _block_v(B * hv, dv)
+    assert _is_pow2(bv) and bv <= dv
+
+    out = torch.empty((total, hv, dv), dtype=v.dtype, device=v.device)
+    if total == 0:
+        return out
+    # A bool tensor reinterpreted as bytes costs nothing and keeps the kernel's pointer type simple.
+    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    inter = intermediate_states if intermediate_states is not None else ssm_state  # never written when absent
+    inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
+    _fused_recurrent_gdn_kernel[(B, hv, dv // bv)](
+        q, k, v, g, beta, out, ssm_state, state_slots, has_init, inter,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        *ssm_state.stride(),
+        *inter_strides,
+        dk ** -0.5,
+        L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
+        num_warps=max(1, min(4, dk * bv // 1024)),
+    )
+    return out
+
+
+def fused_recurrent_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    num_tokens_per_req: int = 1,
+    intermediate_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch definition of the same contract, vectorised over the batch (and itself free of host syncs).
+
+    The batch is folded into the head axis (request b, value head h -> head b*Hv + h, whose q/k head b*Hk + h//r is
+    exactly what the grouped-head rule of recurrent_gated_delta_rule_ref picks), so that reference runs unchanged.
+    """
+    total, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    L, B = num_tokens_per_req, state_slots.shape[0]
+
+    def fold(x):  # [B*L, H, ...] -> [L, B*H, ...]
+        return x.reshape(B, L, *x.shape[1:]).transpose(0, 1).flatten(1, 2)
+
+    q, k, v, g, beta = (fold(x) for x in (q, k, v, g, beta))
+    init = ssm_state[state_slots]
+    state = torch.where(has_initial_state.bool()[:, None, None, None], init, torch.zeros_like(init))
+    state = state.reshape(B * hv, dk, dv)
+    outs = []
+    for t in range(L):  # token by token only to expose the intermediate states
+        o, state = recurrent_gated_delta_rule_ref(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        outs.append(o[0])
+        if intermediate_states is not None:
+            intermediate_states[:, t] = state.reshape(B, hv, dk, dv)
+    ssm_state[state_slots] = state.reshape(B, hv, dk, dv)
+    out = torch.stack(outs).reshape(L, B, hv, dv).transpose(0, 1).reshape(total, hv, dv)
+    return out.to(v.dtype)

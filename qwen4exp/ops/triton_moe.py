@@ -1,0 +1,331 @@
+"""Fused MoE experts (SwiGLU) in Triton: the fast path of `qwen4exp.ops.moe.moe_experts`.
+
+Computes, for every token n,
+
+    out[n] = sum_j  w[n, j] * down_e (silu(gate_e x[n]) * up_e x[n]),   e = topk_ids[n, j]
+
+with gate_e = gate_up[e, :I] and up_e = gate_up[e, I:].
+
+Shapes / dtypes:
+    x             [N, H]      bf16 (fp16 / fp32 also work; fp32 uses IEEE dots so it matches the reference)
+    gate_up       [E, 2I, H]  x's dtype (gate rows first)
+    down          [E, H, I]   x's dtype
+    topk_ids      [N, k]      int64 or int32
+    topk_weights  [N, k]      any float dtype (applied in fp32)
+    returns       [N, H]      x's dtype
+
+Pipeline (all steps have static shapes and never sync with the host, so it can be captured in a CUDA graph):
+    1. `moe_align` sorts the N*k (token, slot) pairs by expert and pads each expert's run to a multiple of BLOCK_M,
+       so every BLOCK_M-row block belongs to exactly one expert.
+    2. `_gate_up_kernel`: per block, gathers the x rows and computes silu(gate) * up with both halves in fp32
+       accumulators, writing the activation [padded pairs, I] in sorted order (so kernel 2 reads it contiguously).
+    3. `_down_kernel`: per block, down projection with the routing weight folded into the epilogue; rows are
+       scattered back to their pair index n*k + j of an [N*k, H] buffer.
+    4. The k rows of each token are summed (deterministic, fp32 accumulation inside torch's sum).
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Alignment
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of `block_m`.
+
+    topk_ids: [N, k] int64/int32. With M = N*k, returns
+        sorted_token_ids [num_blocks * block_m] int32: pair index n*k + j in expert order; padding holds M.
+        expert_ids       [num_blocks] int32: expert of each block; -1 for blocks at or past the padded count.
+        num_tokens_post_padded [1] int32: number of rows in use (a multiple of block_m), on the device.
+    num_blocks = min(M, (M + E*(block_m - 1)) // block_m) is the worst case, fixed by the shapes alone: each used
+    block holds at least one real pair, and each expert adds less than one block of padding. Pairs of one expert keep
+    their original order (stable sort).
+    """
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    num_blocks = min(num_pairs, (num_pairs + num_experts * (block_m - 1)) // block_m)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+
+    # scatter_add instead of bincount: bincount's output size depends on the data, so it syncs on CUDA.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    padded_starts = padded_ends - padded
+    starts = torch.cumsum(counts, 0) - counts
+
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rank = torch.arange(num_pairs, device=device) - starts[sorted_experts]
+    dest = padded_starts[sorted_experts] + rank
+
+    sorted_token_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_token_ids.scatter_(0, dest, order.to(torch.int32))
+
+    # Experts with no pairs have an empty run, so right=True skips past them to the expert that owns the block.
+    block_starts = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
+    expert_ids = torch.searchsorted(padded_ends, block_starts, right=True, out_int32=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1)
+    num_tokens_post_padded = padded_ends[-1:].to(torch.int32)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int  # shared by both kernels: it is the alignment of the sorted pairs
+    gate_up: Tile
+    down: Tile
+
+
+def get_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> MoEConfig:
+    """Hopper-oriented defaults chosen from the static problem shape (so the choice is fixed inside a graph).
+
+    BLOCK_M follows the mean number of rows per expert: with fewer rows than the block, the extra rows are wasted
+    MMA work, and decode is bound by reading expert weights anyway. Small problems use narrow N tiles so that the
+    few active experts are still split over enough programs to keep HBM busy.
+    """
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 16:
+        return MoEConfig(
+            block_m=16,
+            gate_up=Tile(block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4),
+            down=Tile(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4),
+        )
+    if rows_per_expert <= 48:
+        return MoEConfig(
+            block_m=32,
+            gate_up=Tile(block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4),
+            down=Tile(block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4),
+        )
+    if rows_per_expert <= 256:
+        return MoEConfig(
+            block_m=64,
+            gate_up=Tile(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4),
+            down=Tile(block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+        )
+    return MoEConfig(
+        block_m=128,
+        gate_up=Tile(block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
+        down=Tile(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_ids(num_pid_m, n_out, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M consecutive M blocks (mostly one expert in prefill) sweep the N tiles together, so an
+    # expert's weight tiles are still in L2 when the next block of the same expert needs them.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(n_out, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # The Triton interpreter multiplies bf16 tiles as their raw uint16 storage (3.9 `create_dot`), so under
+    # TRITON_INTERPRET the operands are widened to fp32 first; compiled kernels keep the native tensor-core dot.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, act_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    num_pid_m, num_pairs, top_k, H, I,
+    stride_xm, stride_xk,
+    stride_we, stride_wn, stride_wk,
+    stride_am, stride_an,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(num_pid_m, I, BLOCK_N, GROUP_M)
+    # The grid is sized for the worst case; blocks past the real padded count have nothing to do.
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    valid = pair < num_pairs
+    token = (pair // top_k).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + I * stride_wn
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_mask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < H - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc_g = _mma(a, g, acc_g, DOT_PRECISION, DOT_UPCAST)
+        acc_u = _mma(a, u, acc_u, DOT_PRECISION, DOT_UPCAST)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+
+    h = acc_u * tl.sigmoid(acc_u) * acc_g
+    # Padding rows are written too (as zeros): kernel 2 reads whole blocks and only masks its own store.
+    act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
+    tl.store(act_ptrs, h.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, out_ptr, topk_w_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    num_pid_m, num_pairs, H, I,
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(num_pid_m, H, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    valid = pair < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(I, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < I - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _mma(a, b, acc, DOT_PRECISION, DOT_UPCAST)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_wk
+
+    weight = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as `qwen4exp.ops.moe.moe_experts` (see the module docstring); graph-capturable."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    assert gate_up.shape == (num_experts, 2 * inter, hidden) and down.shape == (num_experts, hidden, inter)
+    assert topk_ids.shape == topk_weights.shape == (num_tokens, top_k)
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    if config is None:
+        config = get_config(num_tokens, num_experts, top_k, hidden, inter)
+    block_m = config.block_m
+    # fp32 callers expect fp32 results; tensor-core TF32 would lose ~3 digits against the reference.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    upcast = x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+    sorted_ids, expert_ids, num_post_padded = moe_align(topk_ids, num_experts, block_m)
+    num_pid_m = expert_ids.numel()
+    weights = topk_weights.reshape(-1)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+
+    act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    t = config.gate_up
+    grid = (num_pid_m * triton.cdiv(inter, t.block_n),)
+    _gate_up_kernel[grid](
+        x, gate_up, act,
+        sorted_ids, expert_ids, num_post_padded,
+        num_pid_m, num_pairs, top_k, hidden, inter,
+        x.stride(0), x.stride(1),
+        gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        act.stride(0), act.stride(1),
+        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        EVEN_K=hidden % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    t = config.down
+    grid = (num_pid_m * triton.cdiv(hidden, t.block_n),)
+    _down_kernel[grid](
+        act, down, out_pairs, weights,
+        sorted_ids, expert_ids, num_post_padded,
+        num_pid_m, num_pairs, hidden, inter,
+        act.stride(0), act.stride(1),
+        down.stride(0), down.stride(1), down.stride(2),
+        out_pairs.stride(0), out_pairs.stride(1),
+        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    # Summing the k rows (instead of atomics in the epilogue) keeps the result deterministic.
+    if top_k == 1:
+        return out_pairs
+    return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,5 @@
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

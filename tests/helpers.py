@@ -1,0 +1,65 @@
+"""Shared test helpers: random configs, the transformers reference, our engine on the same weights."""
+
+from __future__ import annotations
+
+import torch
+
+from qwen4exp.config import ModelConfig
+from qwen4exp.weights.init import fill_
+
+EOS = 1
+
+
+def hf_config(**overrides):
+    from transformers import Qwen4ExpTextConfig
+
+    kw = dict(
+        vocab_size=300, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, hc_count=4, hc_lowrank=8, ple_layer_ids=[2], ple_embed_dim=16,
+        ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=60, eos_token_id=EOS, indexer_n_heads=2,
+        indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        output_gate_type="sigmoid", dtype="float32",
+    )
+    kw.update(overrides)
+    return Qwen4ExpTextConfig(**kw)
+
+
+def hf_model(config, seed: int = 0):
+    """transformers' model with every parameter random (norms and convs included)."""
+    from transformers import Qwen4ExpForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            fill_(name, p.data, g)
+    return model
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log-softmax of transformers' full forward without a cache: [len, vocab]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+
+
+def our_llm(hf, **kw):
+    """qwen4exp.LLM holding the same weights as `hf` (handed over in memory)."""
+    from qwen4exp import LLM
+
+    config = ModelConfig.from_hf(hf.config)
+    kw.setdefault("max_model_len", 512)
+    kw.setdefault("num_pages", 256)
+    kw.setdefault("page_size", 8)
+    return LLM(None, dtype="float32", device="cpu", model_config=config, weights=hf.state_dict().items(), **kw)
+
+
+def random_prompt(gen: torch.Generator, length: int, vocab: int, eos_every: int | None = 11) -> list[int]:
+    ids = torch.randint(2, vocab, (length,), generator=gen).tolist()
+    if eos_every:
+        for i in range(eos_every // 2, length, eos_every):
+            ids[i] = EOS
+    return ids

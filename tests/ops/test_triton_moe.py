@@ -1,0 +1,146 @@
+"""Fused Triton MoE (and the torch._grouped_mm path) against the torch reference `moe_experts`, on CPU.
+
+Kernels run under the Triton interpreter; sizes are tiny so the module stays well under a minute on 2 cores.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from qwen4exp.ops.moe import moe_experts  # noqa: E402
+from qwen4exp.ops.moe_grouped import grouped_mm_available, grouped_moe  # noqa: E402
+from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config, moe_align  # noqa: E402
+
+
+def _problem(n, h, i, e, k, dtype, seed=0, experts=None, ids_dtype=torch.int64):
+    """Random weights scaled to keep activations O(1); each token picks k distinct experts from `experts`."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.arange(e) if experts is None else torch.tensor(experts)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    down = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(n)]).to(ids_dtype)
+    weights = torch.softmax(torch.randn(n, k, generator=g), dim=-1).to(dtype)
+    return x, gate_up, down, ids, weights
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+def _align_reference(ids, num_experts, block_m):
+    flat = ids.reshape(-1).tolist()
+    rows, blocks = [], []
+    for e in range(num_experts):
+        pairs = [p for p, x in enumerate(flat) if x == e]
+        if not pairs:
+            continue
+        n_blocks = -(-len(pairs) // block_m)
+        rows += pairs + [len(flat)] * (n_blocks * block_m - len(pairs))
+        blocks += [e] * n_blocks
+    return rows, blocks
+
+
+@pytest.mark.parametrize(
+    "n,k,e,block_m,experts",
+    [(1, 1, 4, 16, None), (3, 2, 8, 4, None), (17, 3, 16, 16, [1, 4, 9]), (64, 2, 8, 8, None), (9, 1, 6, 4, [5])],
+)
+def test_moe_align_matches_reference(n, k, e, block_m, experts):
+    _, _, _, ids, _ = _problem(n, 8, 8, e, k, torch.float32, seed=n, experts=experts)
+    sorted_ids, expert_ids, npp = moe_align(ids.to(torch.int32), e, block_m)
+
+    num_pairs = n * k
+    num_blocks = min(num_pairs, (num_pairs + e * (block_m - 1)) // block_m)
+    assert sorted_ids.shape == (num_blocks * block_m,) and expert_ids.shape == (num_blocks,) and npp.shape == (1,)
+    assert sorted_ids.dtype == expert_ids.dtype == npp.dtype == torch.int32
+
+    rows, blocks = _align_reference(ids, e, block_m)
+    used = int(npp)
+    assert used == len(rows)
+    assert sorted_ids[:used].tolist() == rows
+    assert (sorted_ids[used:] == num_pairs).all()
+    assert expert_ids[: len(blocks)].tolist() == blocks
+    assert (expert_ids[len(blocks) :] == -1).all()
+
+
+# Small tiles force several K iterations and ragged K / N edges; None takes get_config's choice for the shape.
+_SMALL = MoEConfig(block_m=16, gate_up=Tile(block_n=16, block_k=16), down=Tile(block_n=16, block_k=16, group_m=2))
+_RAGGED = MoEConfig(block_m=16, gate_up=Tile(block_n=16, block_k=32), down=Tile(block_n=32, block_k=16, group_m=3))
+
+
+@pytest.mark.parametrize(
+    "n,h,i,e,k,config",
+    [
+        (1, 32, 16, 8, 2, None),
+        (3, 64, 32, 8, 3, None),
+        (17, 64, 32, 16, 3, _SMALL),
+        (64, 32, 16, 8, 2, None),
+        (64, 64, 32, 8, 3, _SMALL),
+        (17, 48, 24, 8, 2, _RAGGED),
+    ],
+)
+def test_fused_moe_fp32(n, h, i, e, k, config):
+    x, gate_up, down, ids, weights = _problem(n, h, i, e, k, torch.float32, seed=n + h)
+    out = fused_moe(x, gate_up, down, ids, weights, config=config)
+    ref = moe_experts(x, gate_up, down, ids, weights)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert _rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("num_tokens", [1, 300, 3000, 100_000])
+def test_fused_moe_every_default_tier(num_tokens):
+    # Each tier of get_config (BLOCK_M 16/32/64/128 at the real E=128, k=10) run on a small problem.
+    config = get_config(num_tokens, 128, 10, 2560, 640)
+    x, gate_up, down, ids, weights = _problem(40, 64, 32, 8, 3, torch.float32, seed=num_tokens)
+    out = fused_moe(x, gate_up, down, ids, weights, config=config)
+    assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 1e-4
+
+
+def test_get_config_block_m_grows_with_rows_per_expert():
+    block_m = [get_config(n, 128, 10, 2560, 640).block_m for n in (1, 64, 512, 2048, 16384)]
+    assert block_m == sorted(block_m) and block_m[0] == 16 and block_m[-1] == 128
+
+
+def test_fused_moe_unused_experts_and_int32_ids():
+    x, gate_up, down, ids, weights = _problem(17, 64, 32, 16, 3, torch.float32, experts=[2, 7, 11, 15],
+                                              ids_dtype=torch.int32)
+    out = fused_moe(x, gate_up, down, ids, weights, config=_SMALL)
+    assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 1e-4
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fused_moe_all_tokens_same_experts(k):
+    x, gate_up, down, _, weights = _problem(33, 32, 16, 8, k, torch.float32)
+    ids = torch.tensor([[5, 1][:k]] * 33)
+    out = fused_moe(x, gate_up, down, ids, weights, config=_SMALL)
+    assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 1e-4
+
+
+@pytest.mark.parametrize("n,config", [(1, None), (17, _SMALL), (64, None)])
+def test_fused_moe_bf16(n, config):
+    x, gate_up, down, ids, weights = _problem(n, 64, 32, 8, 3, torch.bfloat16, seed=n)
+    out = fused_moe(x, gate_up, down, ids, weights, config=config)
+    assert out.dtype == torch.bfloat16
+    # Against fp32 math on the same bf16 inputs: the kernel rounds less than the bf16 reference does.
+    ref = moe_experts(x.float(), gate_up.float(), down.float(), ids, weights.float())
+    assert _rel_err(out, ref) < 2e-2
+    assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 3e-2
+
+
+@pytest.mark.skipif(not grouped_mm_available(torch.empty(0)), reason="torch._grouped_mm unavailable on CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,experts", [(1, None), (17, [0, 3, 6]), (64, None)])
+def test_grouped_moe(dtype, n, experts):
+    x, gate_up, down, ids, weights = _problem(n, 64, 32, 8, 3, dtype, seed=n, experts=experts)
+    out = grouped_moe(x, gate_up, down, ids, weights)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 1e-4
+    else:
+        ref = moe_experts(x.float(), gate_up.float(), down.float(), ids, weights.float())
+        assert _rel_err(out, ref) < 3e-2

@@ -1,0 +1,94 @@
+"""Config reading through transformers, and errors that name the offending field."""
+
+import json
+
+import pytest
+
+from qwen4exp.config import ConfigError, EngineConfig, load_model_config
+from qwen4exp.weights.random_checkpoint import preset_config
+
+
+def write(tmp_path, cfg):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def tiny(**over):
+    cfg = preset_config("tiny", eos_token_id=5, dtype="float32")
+    cfg.update(over)
+    return cfg
+
+
+def test_flat_and_multimodal_wrapper_give_the_same_config(tmp_path):
+    (tmp_path / "a").mkdir()
+    flat = load_model_config(write(tmp_path / "a", tiny()))
+    text = tiny()
+    text.pop("architectures")
+    wrapper = {"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForConditionalGeneration"], "text_config": text,
+               "vision_config": {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
+                                 "out_hidden_size": 64}}
+    (tmp_path / "b").mkdir()
+    wrapped = load_model_config(write(tmp_path / "b", wrapper))
+    assert flat == wrapped
+    assert flat.layer_types == ("linear_attention",) * 3 + ("indexed_attention",)
+    assert flat.ple_layer_ids == (2, 3) and flat.qsa and flat.rotary_dim == 8
+
+
+def test_full_attention_layer_type_is_read_as_indexed(tmp_path):
+    cfg = tiny(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    cfg.pop("full_attention_interval")
+    assert load_model_config(write(tmp_path, cfg)).layer_types[3] == "indexed_attention"
+
+
+def test_output_gate_falls_back_to_hidden_act_and_eos_list_uses_first(tmp_path):
+    c = load_model_config(write(tmp_path, tiny(output_gate_type=None, eos_token_id=[7, 5])))
+    assert c.output_gate_type == "silu"
+    assert c.eos_token_id == 7
+    assert c.stop_token_ids == (7, 5)
+
+
+def test_generation_config_sets_stop_tokens(tmp_path):
+    d = write(tmp_path, tiny())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 5]}))
+    assert load_model_config(d).stop_token_ids == (9, 5)
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        (dict(hc_count=1), "hc_count"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(output_gate_type="tanh"), "output_gate_type"),
+        (dict(indexer_kv_heads=2), "indexer_kv_heads"),
+        (dict(indexer_budget=10), "indexer_budget"),
+        (dict(indexer_head_dim=4), "indexer_head_dim"),
+        (dict(indexer_compress_ratio=None), "indexer_compress_ratio"),
+        (dict(ple_layer_ids=[4]), "ple_layer_ids"),
+        (dict(ple_layer_ids=[9]), "ple_layer_ids"),
+        (dict(ple_embed_dim=30), "ple_embed_dim"),
+        (dict(eos_token_id=None), "eos_token_id"),
+        (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "layer_types"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(linear_num_value_heads=5), "linear_num_value_heads"),
+        (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+        (dict(hidden_size="big"), "hidden_size"),
+        (dict(model_type="llama"), "model_type"),
+    ],
+)
+def test_invalid_config_names_the_field(tmp_path, over, field):
+    with pytest.raises(ConfigError) as e:
+        load_model_config(write(tmp_path, tiny(**over)))
+    assert field in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("over, field", [(dict(max_model_len=0), "max_model_len"),
+                                         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+                                         (dict(max_num_seqs=-1), "max_num_seqs")])
+def test_engine_config_errors_name_the_field(over, field):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(**over)

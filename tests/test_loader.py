@@ -1,0 +1,157 @@
+"""Checkpoint loading: layouts, shards, and errors that list the offending tensors by name."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qwen4exp.config import load_model_config
+from qwen4exp.weights.loader import WeightLoadError, load_model
+from qwen4exp.weights.random_checkpoint import make_random
+from qwen4exp.weights.safetensors_io import checkpoint_files, iterate_files
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_random(str(tmp_path_factory.mktemp("tiny")), "tiny", dtype="float32", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    return load_model(load_model_config(tiny_dir), tiny_dir, torch.float32, "cpu").state_dict()
+
+
+def tensors(model_dir) -> dict:
+    return dict(iterate_files(checkpoint_files(model_dir)))
+
+
+def copy_checkpoint(src, dst, mutate) -> str:
+    os.makedirs(dst, exist_ok=True)
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(src, f)) as a, open(os.path.join(dst, f), "w") as b:
+            b.write(a.read())
+    save_file(mutate(tensors(src)), os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def load(d):
+    return load_model(load_model_config(d), d, torch.float32, "cpu").state_dict()
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_released_layout_per_expert_and_shards(tiny_dir, reference):
+    names = tensors(tiny_dir).keys()
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in names
+    assert "model.layers.1.ple.ple_embedding.ngram_embedding.shard_3.weight" in names
+    assert "model.layers.1.ple.ple_embedding.layer_multipliers" in names
+    assert reference["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+
+
+def test_multimodal_names_skip_visual_and_mtp(tiny_dir, reference, tmp_path):
+    def mutate(t):
+        out = {k.replace("model.", "model.language_model.", 1): v for k, v in t.items()}
+        out["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+        out["mtp.layers.0.mlp.gate.weight"] = torch.zeros(2, 2)
+        out["model.language_model.layers.1.ple.ple_embedding.hashstats_counts"] = torch.zeros(4)
+        out["model.language_model.hyper_connection_mixer.block_inject_weight.weight"] = torch.zeros(4, 256)
+        return out
+
+    assert_same(load(copy_checkpoint(tiny_dir, str(tmp_path / "mm"), mutate)), reference)
+
+
+def test_stacked_experts_and_any_shard_count(tiny_dir, reference, tmp_path):
+    def mutate(t):
+        out = {}
+        for name, v in t.items():
+            if ".experts." in name or "shard_" in name:
+                continue
+            out[name] = v
+        for layer in range(4):
+            p = f"model.layers.{layer}.mlp.experts"
+            out[f"{p}.gate_up_proj"] = reference[f"{p}.gate_up_proj"]
+            out[f"{p}.down_proj"] = reference[f"{p}.down_proj"]
+        for layer in (1, 2):
+            table = reference[f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"]
+            for i, part in enumerate(torch.tensor_split(table, 7)):  # unequal shards, a different count
+                out[f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{i}.weight"] = part.clone()
+        return out
+
+    assert_same(load(copy_checkpoint(tiny_dir, str(tmp_path / "stk"), mutate)), reference)
+
+
+def test_sharded_index_and_in_memory_iterator(tiny_dir, reference, tmp_path):
+    d = make_random(str(tmp_path / "sharded"), "tiny", dtype="float32", seed=3, max_shard_bytes=200_000)
+    assert os.path.isfile(os.path.join(d, "model.safetensors.index.json"))
+    assert len(checkpoint_files(d)) > 3
+    assert_same(load(d), reference)
+    # the same weights handed over in memory, shards in reverse order
+    items = sorted(tensors(tiny_dir).items(), reverse=True)
+    model = load_model(load_model_config(tiny_dir), None, torch.float32, "cpu", weights=iter(items))
+    assert_same(model.state_dict(), reference)
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda t: {k: v for k, v in t.items() if k != "model.layers.0.linear_attn.A_log"},
+         ["missing tensors", "model.layers.0.linear_attn.A_log"]),
+        (lambda t: {**t, "model.layers.0.linear_attn.extra.weight": torch.zeros(2)},
+         ["unexpected tensors", "model.layers.0.linear_attn.extra.weight"]),
+        (lambda t: {**t, "model.layers.3.self_attn.k_proj.weight": torch.zeros(5, 64)},
+         ["mis-shaped", "model.layers.3.self_attn.k_proj.weight", "(5, 64)", "(32, 64)"]),
+        (lambda t: {k: v for k, v in t.items() if k != "model.layers.2.mlp.experts.5.down_proj.weight"},
+         ["model.layers.2.mlp.experts.down_proj", "experts [5]"]),
+        (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.ple.ple_embedding.ngram_embedding.shard_2.weight"},
+         ["ngram_embedding", "not contiguous"]),
+        (lambda t: {**t, "model.layers.1.ple.ple_embedding.layer_multipliers":
+                    t["model.layers.1.ple.ple_embedding.layer_multipliers"] + 2},
+         ["layer_multipliers", "differ from the values computed"]),
+    ],
+    ids=["missing", "unexpected", "misshaped", "missing-expert", "missing-shard", "hash-buffer"],
+)
+def test_load_errors_name_tensors(tiny_dir, tmp_path, mutate, expected):
+    d = copy_checkpoint(tiny_dir, str(tmp_path / "bad"), mutate)
+    with pytest.raises(WeightLoadError) as e:
+        load(d)
+    for text in expected:
+        assert text in str(e.value)
+
+
+def test_dummy_load_format_needs_no_files(tiny_dir):
+    cfg = load_model_config(tiny_dir)
+    m = load_model(cfg, None, torch.float32, "cpu", load_format="dummy")
+    assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in m.parameters())
+
+
+_RSS_SCRIPT = """
+import resource, sys, torch
+from qwen4exp.config import load_model_config
+from qwen4exp.weights.loader import load_model
+d = sys.argv[1]
+cfg = load_model_config(d)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+m = load_model(cfg, d, torch.float32, "cpu")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+size = sum(p.numel() * p.element_size() for p in m.parameters())
+largest = max(p.numel() * p.element_size() for p in m.parameters())
+print(before, after, size, largest)
+"""
+
+
+@pytest.mark.slow
+def test_loading_streams_one_tensor_at_a_time(tmp_path):
+    """Peak memory while loading stays near one copy of the model (not two)."""
+    d = make_random(str(tmp_path / "small"), "small", dtype="float32", seed=0)
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, d], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    before, after, size, largest = map(int, out.stdout.split())
+    assert after - before <= size + 2 * largest + (64 << 20), (after - before, size, largest)

@@ -1,0 +1,100 @@
+"""The parity check is sensitive: perturbing any parameter kind or any component of the computation moves the
+logprobs by far more than the 1e-4 parity tolerance. If one of these passed unnoticed, a bug in that component
+could hide from tests/test_parity.py."""
+
+import re
+
+import pytest
+import torch
+from helpers import hf_config, hf_logprobs, hf_model, our_llm, random_prompt
+
+from qwen4exp import ops
+from qwen4exp.engine.runner import RequestChunk
+
+SENSITIVITY = 1e-3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    hf = hf_model(hf_config(ple_layer_ids=[1, 2]), seed=11)
+    llm = our_llm(hf)
+    gen = torch.Generator().manual_seed(4)
+    prompt = random_prompt(gen, 48, hf.config.vocab_size, eos_every=9)
+    return hf, llm, prompt, hf_logprobs(hf, prompt)
+
+
+def run(llm, prompt, split=(20, 1, 27)):
+    """Prefill in chunks (so conv/recurrent states and cached block keys are exercised) -> logprobs."""
+    engine = llm.llm_engine
+    cache = engine.cache
+    pages, slot = cache.pages.allocate(cache.pages_needed(len(prompt))), cache.slots.allocate(1)[0]
+    try:
+        rows, pos = [], 0
+        for n in split:
+            rows.append(engine.runner.execute([RequestChunk(prompt[pos:pos + n], pos, prompt[:pos], pages, slot, 0)]))
+            pos += n
+        return torch.log_softmax(torch.cat(rows), -1)
+    finally:
+        cache.pages.free(pages)
+        cache.slots.free([slot])
+
+
+def test_unperturbed_matches(setup):
+    hf, llm, prompt, ref = setup
+    torch.testing.assert_close(run(llm, prompt), ref, atol=1e-4, rtol=0)
+
+
+def _param_kinds(model):
+    kinds = {}
+    for name, _ in model.named_parameters():
+        kinds.setdefault(re.sub(r"\.\d+\.", ".N.", name), name)
+    return sorted(kinds.items())
+
+
+def test_every_parameter_kind_matters(setup):
+    hf, llm, prompt, ref = setup
+    model = llm.llm_engine.model
+    insensitive = []
+    for kind, name in _param_kinds(model):
+        p = dict(model.named_parameters())[name]
+        saved = p.data.clone()
+        # the indexer only acts through a discrete top-k, so it needs a push large enough to reorder blocks
+        scale = 1.0 if ".indexer." in name else 0.05 * (saved.float().std().item() or 1.0)
+        p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * scale)
+        try:
+            diff = (run(llm, prompt) - ref).abs().max().item()
+        finally:
+            p.data.copy_(saved)
+        if diff < SENSITIVITY:
+            insensitive.append((kind, diff))
+    assert not insensitive, f"perturbing these parameters went unnoticed: {insensitive}"
+
+
+
+COMPONENT_FAULTS = {
+    "ngram EOS reset ignored": ("ngram", "shifted_tokens", lambda orig: lambda ids, q, c, eos, n: orig(ids, q, c, -7, n)),
+    "ngram hash order swapped": ("ngram", "ngram_ids",
+                                 lambda orig: lambda t, m, s, o, h: orig(t.flip(1).contiguous(), m, s, o, h)),
+    "QSA keeps the first blocks": ("attention", "qsa_select", lambda orig: lambda q, *a: orig(q.abs() * 0 + 1, *a)),
+    "QSA dense": ("attention", "paged_attention", lambda orig: lambda *a: orig(*a[:7], None)),
+    "conv without state": ("conv", "causal_conv1d",
+                           lambda orig: lambda x, w, st, q, sl, hi, **kw: orig(x, w, st, q, sl, [False] * len(hi), **kw)),
+    "GDN state dropped between chunks": (
+        "gated_delta", "gated_delta_rule",
+        lambda orig: lambda q, k, v, g, b, st, qsl, sl, hi: orig(q, k, v, g, b, st, qsl, sl, [False] * len(hi))),
+    "GDN decay halved": ("gated_delta", "gated_delta_rule", lambda orig: lambda q, k, v, g, *a: orig(q, k, v, g * 0.5, *a)),
+    "rope dims shifted": ("rotary", "apply_rope", lambda orig: lambda x, c, s: orig(x, c.roll(1, -1), s)),
+    "norm eps x1e4": ("norm", "rms_norm", lambda orig: lambda x, w, eps, g=None: orig(x, w, eps * 1e4, g)),
+    "routed experts top-k renormalisation off": (
+        "moe", "moe_experts", lambda orig: lambda x, gu, d, ids, w: orig(x, gu, d, ids, w * 0.9)),
+}
+
+
+@pytest.mark.parametrize("fault", list(COMPONENT_FAULTS))
+def test_component_fault_is_detected(setup, fault, monkeypatch):
+    hf, llm, prompt, ref = setup
+    module_name, fn_name, make = COMPONENT_FAULTS[fault]
+    module = getattr(ops, module_name)
+    monkeypatch.setattr(module, fn_name, make(getattr(module, fn_name)))
+    diff = (run(llm, prompt) - ref).abs().max().item()
+    assert diff > SENSITIVITY, f"{fault}: max logprob change {diff:.2e}"
