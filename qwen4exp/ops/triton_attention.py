@@ -225,9 +225,11 @@ def sparse_paged_attention(
     block_d = triton.next_power_of_2(D)
     block_g = max(16, triton.next_power_of_2(group))
     if block_n is None:
+        # D = 256: K+V tiles of 32 rows are 32 KB in bf16, so two pipeline stages still leave room for several
+        # programs per SM, which a gather-bound decode needs more than bigger tiles
         block_n = 64 if block_d <= 128 else 32
     if num_warps is None:
-        num_warps = 4 if block_d <= 128 else 8
+        num_warps = 4
     if num_stages is None:
         num_stages = 2
     if num_splits is None:
@@ -262,7 +264,7 @@ def sparse_paged_attention(
             ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1),
             HQ=hq, HEAD_DIM=D, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4 if block_d <= 128 else 8,
+            num_warps=4,
         )
     return out
 
@@ -305,8 +307,10 @@ def sparse_paged_attention_ref(
         # masked positions may hit block-table padding: point them at page 0 instead of reading garbage ids
         pages = torch.where(valid, block_tables[req[:, None], kpos // page].long(), 0)
         slots = pages * page + kpos % page
-        k = flat_k[slots].float()  # [n, L, Hkv, D]
-        v = flat_v[slots].float()
+        # zero masked keys/values: unwritten rows may hold nan, and 0 * nan would leak through the softmax
+        keep = valid[:, :, None, None]
+        k = torch.where(keep, flat_k[slots].float(), 0.0)  # [n, L, Hkv, D]
+        v = torch.where(keep, flat_v[slots].float(), 0.0)
         qg = q[s:e].float().view(e - s, hkv, group, D)
         scores = torch.einsum("nkgd,nlkd->nkgl", qg, k) * scale
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -121,7 +121,8 @@ def causal_conv1d_update(
     _causal_conv1d_update_kernel[(B, triton.cdiv(channels, bc))](
         x, weight, conv_state, state_slots, has_init, out, inter,
         channels,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(), out.stride(0), out.stride(1),
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(),
+        out.stride(0), out.stride(1),
         *inter_strides,
         LQ=lq, LST=state_len, DIL=dilation, LP=lp, BC=bc, SILU=silu, STORE_INTER=intermediate_states is not None,
         num_warps=4,

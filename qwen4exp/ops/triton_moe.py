@@ -208,7 +208,7 @@ def _gate_up_kernel(
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
 
-    h = acc_u * tl.sigmoid(acc_u) * acc_g
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
     # Padding rows are written too (as zeros): kernel 2 reads whole blocks and only masks its own store.
     act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
     tl.store(act_ptrs, h.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])

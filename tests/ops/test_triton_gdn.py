@@ -1,0 +1,123 @@
+"""Triton fused recurrent gated delta rule (interpreted on CPU) against its torch reference and the chunked form."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from qwen4exp.ops.gated_delta import chunk_gated_delta_rule_ref  # noqa: E402
+from qwen4exp.ops.triton_gdn import fused_recurrent_gated_delta_rule, fused_recurrent_gated_delta_rule_ref  # noqa: E402
+
+NUM_SLOTS = 9
+
+
+def _inputs(B, L, hk, hv, dk, dv, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    n = B * L
+    q = torch.randn(n, hk, dk, generator=gen).to(dtype)
+    k = torch.randn(n, hk, dk, generator=gen).to(dtype)
+    v = torch.randn(n, hv, dv, generator=gen).to(dtype)
+    g = -torch.rand(n, hv, generator=gen) * 2  # log-decay <= 0
+    beta = torch.rand(n, hv, generator=gen).to(dtype)
+    state = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
+
+
+def _batch():
+    """Shuffled distinct slots, a fresh request whose slot holds NaNs, and two padding rows on the null slot 0."""
+    slots = torch.tensor([5, 2, 7, 0, 3, 0], dtype=torch.int64)
+    has_init = torch.tensor([True, False, True, True, True, False])
+    real = torch.tensor([True, True, True, False, True, False])
+    return slots, has_init, real
+
+
+@pytest.mark.parametrize(
+    "hk,hv,dk,dv,L,dtype,block_v",
+    [
+        (2, 2, 16, 16, 1, torch.float32, None),
+        (1, 3, 16, 32, 1, torch.float32, 16),
+        (2, 4, 32, 16, 3, torch.float32, 8),
+        (1, 2, 16, 16, 3, torch.bfloat16, 16),
+        (2, 6, 16, 16, 1, torch.bfloat16, None),
+        (2, 4, 8, 8, 1, torch.float32, None),
+        (1, 2, 128, 128, 1, torch.float32, 64),
+    ],
+)
+def test_matches_reference(hk, hv, dk, dv, L, dtype, block_v):
+    slots, has_init, real = _batch()
+    B = slots.numel()
+    q, k, v, g, beta, state = _inputs(B, L, hk, hv, dk, dv, dtype)
+    state[slots[1]] = float("nan")  # a fresh request must not read its slot
+    fast_state, ref_state = state.clone(), state.clone()
+    fast_inter = torch.full((B, L, hv, dk, dv), float("nan"))
+    ref_inter = torch.zeros_like(fast_inter)
+
+    out = fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, fast_state, slots, has_init, L, intermediate_states=fast_inter, block_v=block_v
+    )
+    ref = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, has_init, L, ref_inter)
+
+    assert out.dtype == v.dtype and out.shape == v.shape
+    tok_real = real.repeat_interleave(L)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out[tok_real].float(), ref[tok_real].float(), **tol)
+    # fp32 state arithmetic is identical whatever the input dtype
+    touched = slots[real]
+    torch.testing.assert_close(fast_state[touched], ref_state[touched], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_inter[real], ref_inter[real], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_inter[real][:, -1], fast_state[touched], rtol=0, atol=0)
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(fast_state[untouched], state[untouched])
+
+
+def test_strided_inputs_from_a_fused_projection():
+    """q, k, v as views into one [T, 2*Hk*Dk + Hv*Dv] projection, as GatedDeltaNet produces them."""
+    hk, hv, dk, dv = 1, 2, 16, 16
+    slots = torch.tensor([4, 1, 6], dtype=torch.int64)
+    has_init = torch.tensor([True, True, False])
+    B = slots.numel()
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, 2 * hk * dk + hv * dv, generator=gen)
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(B, hk, dk), k.reshape(B, hk, dk), v.reshape(B, hv, dv)
+    g = -torch.rand(B, hv, generator=gen)
+    beta = torch.rand(B, hv, generator=gen)
+    state = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen)
+    fast_state, ref_state = state.clone(), state.clone()
+    out = fused_recurrent_gated_delta_rule(q, k, v, g, beta, fast_state, slots, has_init)
+    ref = fused_recurrent_gated_delta_rule_ref(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, ref_state,
+                                               slots, has_init)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_state, ref_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("L", [1, 4])
+def test_token_by_token_matches_chunked_form(L):
+    """Whole sequences fed L tokens per step agree with the chunked (prefill) form over the full sequence."""
+    hk, hv, dk, dv, n = 1, 2, 16, 16, 12
+    slots = torch.tensor([3, 8, 1], dtype=torch.int64)
+    has_init = torch.tensor([True, False, True])
+    B = slots.numel()
+    q, k, v, g, beta, state = _inputs(B, n, hk, hv, dk, dv, torch.float32, seed=1)
+    q, k, v, g, beta = (x.reshape(B, n, *x.shape[1:]) for x in (q, k, v, g, beta))
+    init = state.clone()
+
+    outs = []
+    for s in range(0, n, L):
+        step = [x[:, s:s + L].flatten(0, 1) for x in (q, k, v, g, beta)]
+        step_init = has_init if s == 0 else torch.ones_like(has_init)
+        outs.append(fused_recurrent_gated_delta_rule(*step, state, slots, step_init, L, block_v=dv)
+                    .reshape(B, L, hv, dv))
+    out = torch.cat(outs, dim=1)
+
+    for b in range(B):
+        start = init[slots[b]] if has_init[b] else torch.zeros(hv, dk, dv)
+        ref, final = chunk_gated_delta_rule_ref(q[b], k[b], v[b], g[b], beta[b], start, chunk=8)
+        torch.testing.assert_close(out[b], ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state[slots[b]], final, rtol=1e-4, atol=1e-5)

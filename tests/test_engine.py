@@ -1,0 +1,129 @@
+"""Continuous batching: chunked prefill, preemption and arrival over time leave outputs unchanged and the cache
+empty."""
+
+import random
+
+import pytest
+import torch
+
+from qwen4exp import LLM, SamplingParams
+from qwen4exp.weights.random_checkpoint import make_random
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_random(str(tmp_path_factory.mktemp("tiny")), "tiny", dtype="float32", seed=1)
+
+
+def alone(model_dir, prompts, params):
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=256, num_pages=64, page_size=8,
+              max_num_batched_tokens=256, max_num_seqs=1)
+    return [llm.generate([{"prompt_token_ids": p}], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+
+
+def test_batched_with_preemption_equals_one_at_a_time(tiny_dir):
+    rng = random.Random(0)
+    n = 32
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 70))] for _ in range(n)]
+    params = []
+    for i in range(n):
+        seed = i if i % 3 == 0 else None
+        greedy = seed is None
+        params.append(SamplingParams(temperature=0.0 if greedy else 0.9, top_k=0 if greedy else 40, seed=seed,
+                                     max_tokens=rng.randrange(1, 25), ignore_eos=True))
+    expected = alone(tiny_dir, prompts, params)
+
+    # small budgets: chunked prefill (24 tokens/step) and too few pages for everyone (forces preemption)
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=256, num_pages=40, page_size=8,
+              max_num_batched_tokens=24, max_num_seqs=12)
+    engine = llm.llm_engine
+    pending = list(range(n))
+    outputs = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        # requests arrive over time: a few per step
+        for _ in range(rng.randrange(0, 4)):
+            if pending:
+                i = pending.pop(0)
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id)] = out
+        step += 1
+        assert step < 5000
+    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert any(o.metrics["num_preemptions"] for o in outputs.values())
+    for i in range(n):
+        assert outputs[i].outputs[0].token_ids == expected[i].outputs[0].token_ids, f"request {i} ({params[i]})"
+    assert engine.cache.all_free()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_abort_frees_cache_at_any_time(tiny_dir):
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=256, num_pages=40, page_size=8,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    engine = llm.llm_engine
+    for i in range(6):
+        engine.add_request(str(i), {"prompt_token_ids": list(range(3, 40 + i))}, SamplingParams(max_tokens=30))
+    for step in range(12):
+        engine.step()
+        engine.abort_request(str(step % 6))
+    engine.abort_request("0")
+    for i in range(6):
+        engine.abort_request(str(i))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.cache.all_free()
+    assert engine.num_unfinished_requests == 0
+
+
+def test_seeded_sampling_is_batch_invariant(tiny_dir):
+    prompts = [[5, 6, 7, 8], list(range(10, 60)), [9] * 17]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    solo = alone(tiny_dir, prompts[:1], [params])[0].outputs[0].token_ids
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=256, num_pages=64, page_size=8)
+    mixed = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         [params, SamplingParams(temperature=1.0, max_tokens=20), SamplingParams(temperature=0.5)],
+                         use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == solo
+    other_seed = llm.generate([{"prompt_token_ids": prompts[0]}],
+                              SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True),
+                              use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != solo
+
+
+def test_limits_and_errors(tiny_dir):
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=64, num_pages=32, page_size=8)
+    with pytest.raises(ValueError, match="60 in the messages, 10 in the completion"):
+        llm.generate([{"prompt_token_ids": [5] * 60}], SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([{"prompt_token_ids": [10**6]}], use_tqdm=False)
+    # max_tokens=None runs to max_model_len
+    out = llm.generate([{"prompt_token_ids": [5] * 60}], SamplingParams(max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    assert llm.llm_engine.cache.all_free()
+
+
+def test_startup_logs_capacity(tiny_dir, caplog):
+    caplog.set_level("INFO", logger="qwen4exp")
+    LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=64, cpu_cache_bytes=1 << 23, page_size=8)
+    line = [r.message for r in caplog.records if "pages" in r.message][0]
+    pages = int(line.split()[2])
+    assert f"{pages} pages = {pages * 8} tokens" in line and "state slots" in line
+    assert pages > 8
+
+
+def test_too_small_budget_is_a_clear_error(tiny_dir):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=4096, cpu_cache_bytes=1 << 14, page_size=8)
+
+
+def test_tokens_equal_at_dtype_float32_and_reference_ops(tiny_dir):
+    torch.manual_seed(0)
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=128, num_pages=32, page_size=8)
+    a = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    b = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].text == b.outputs[0].text
