@@ -122,6 +122,7 @@ class ModelConfig:
         if isinstance(eos_first, list):
             eos_first = None
         names = {f.name for f in fields(cls)}
+        names.discard("torch_dtype")  # a deprecated alias on transformers configs; read as `dtype` below
         kw = {n: getattr(hf, n) for n in names if hasattr(hf, n) and getattr(hf, n) is not None}
         kw.update(
             layer_types=tuple(hf.layer_types),
@@ -339,6 +340,7 @@ class EngineConfig:
     num_pages: int | None = None  # explicit override (tests)
     max_queued_requests: int | None = None
     enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None  # decode batch-size buckets (default: 1, 2, 4, 8, 16, 24, ...)
     seed: int = 0
 
     def __post_init__(self) -> None:

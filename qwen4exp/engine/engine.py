@@ -66,7 +66,14 @@ class LLMEngine:
         self.model = load_model(mc, model, self.dtype, self.device, load_format, weights, seed=self.config.seed)
         self.cache = CacheManager(mc, self.config, self.dtype, self.device)
         self.scheduler = Scheduler(self.config, self.cache)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        graphs = None
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            from .cuda_graph import CUDAGraphRunner
+
+            graphs = CUDAGraphRunner(self.model, self.cache, self.config.max_model_len, self.config.max_num_seqs,
+                                     self.device, self.config.cuda_graph_sizes)
+            graphs.capture()
+        self.runner = ModelRunner(self.model, self.cache, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
         self.metrics = EngineMetrics()

@@ -27,9 +27,11 @@ class RequestChunk:
 
 
 def build_metadata(
-    chunks: list[RequestChunk], config: ModelConfig, page_size: int, device, eos_token_id: int | None = None
+    chunks: list[RequestChunk], config: ModelConfig, page_size: int, device, max_seq_len: int | None = None
 ) -> StepMetadata:
+    """Chunks must come decodes first (one-token requests), as the fast paths expect."""
     qsl, ctx, slots, input_ids, positions, slot_mapping, logits_rows = [0], [], [], [], [], [], []
+    token_req, token_local = [], []
     n_ctx = max(config.ngram_size - 1, 0)
     eos = config.eos_token_id if config.eos_token_id is not None else 0
     ngram_ctx = []
@@ -46,6 +48,8 @@ def build_metadata(
         input_ids += ch.token_ids
         pos = range(ch.context_len, ch.context_len + n)
         positions += pos
+        token_req += [r] * n
+        token_local += range(n)
         slot_mapping += [ch.pages[p // page_size] * page_size + p % page_size for p in pos]
         logits_rows += range(start + ch.logits_from, start + n)
         hist = ch.history[-n_ctx:] if n_ctx else []
@@ -61,9 +65,14 @@ def build_metadata(
     def t(x, dtype=torch.long):
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
+    num_decode = 0
+    while num_decode < len(chunks) and len(chunks[num_decode].token_ids) == 1:
+        num_decode += 1
+    positions_t = t(positions)
+
     return StepMetadata(
         input_ids=t(input_ids),
-        positions=t(positions),
+        positions=positions_t,
         query_start_loc=t(qsl, torch.int32),
         context_lens=t(ctx, torch.int32),
         block_tables=block_tables.to(device),
@@ -74,22 +83,41 @@ def build_metadata(
         new_block_token_slots=t(block_tok).reshape(-1, C or 1),
         new_block_slots=t(block_slot),
         new_block_positions=t(block_pos),
+        token_req=t(token_req),
+        token_pos=positions_t,
+        token_local=t(token_local),
+        has_initial=t([c > 0 for c in ctx], torch.bool),
         query_start_loc_cpu=qsl,
         context_lens_cpu=ctx,
         state_slots_cpu=slots,
+        num_decode_reqs=num_decode,
+        max_seq_len=max_seq_len or max((c + len(ch.token_ids) for c, ch in zip(ctx, chunks)), default=1),
     )
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen4ExpForCausalLM, cache: CacheManager, device):
+    def __init__(self, model: Qwen4ExpForCausalLM, cache: CacheManager, device, graphs=None):
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
         self.config = model.config
+        self.graphs = graphs  # CUDAGraphRunner for decode steps, or None (eager)
 
     @torch.inference_mode()
     def execute(self, chunks: list[RequestChunk]) -> torch.Tensor:
-        """Runs one step; returns fp32 logits for the wanted rows, in chunk order."""
-        meta = build_metadata(chunks, self.config, self.cache.page_size, self.device)
+        """Runs one step; returns fp32 logits for the wanted rows, in the order of `chunks`."""
+        if self.graphs is not None and self.graphs.can_run(chunks):
+            return self.graphs.execute(chunks)
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # decodes first
+        ordered = [chunks[i] for i in order]
+        meta = build_metadata(ordered, self.config, self.cache.page_size, self.device)
         hidden = self.model(meta, self.cache.tensors)
-        return self.model.compute_logits(hidden[meta.logits_indices])
+        logits = self.model.compute_logits(hidden[meta.logits_indices])
+        if order == sorted(order):
+            return logits
+        # rows come grouped per chunk in execution order; put the groups back in the caller's order
+        sizes = [len(c.token_ids) - c.logits_from for c in ordered]
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        where = {i: j for j, i in enumerate(order)}
+        index = [r for i in range(len(chunks)) for r in range(starts[where[i]], starts[where[i]] + sizes[where[i]])]
+        return logits[torch.tensor(index, device=logits.device)]

@@ -39,10 +39,7 @@ class QSAIndexer(nn.Module):
             bcos, bsin = rotary(meta.new_block_positions, x.dtype)
             block_key = ops.rotary.apply_rope(self.k_layernorm(pooled), bcos, bsin)
             ops.attention.write_slots(cache.block_key, block_key, meta.new_block_slots)
-        return ops.attention.qsa_select(
-            q, cache.block_key, meta.block_tables, meta.query_start_loc_cpu, meta.context_lens_cpu,
-            self.budget, self.compress_ratio,
-        )
+        return ops.attention.qsa_select(q, cache.block_key, meta, self.budget, self.compress_ratio)
 
 
 class Attention(nn.Module):
@@ -69,9 +66,6 @@ class Attention(nn.Module):
         ops.attention.write_slots(cache.key, k, meta.slot_mapping)
         ops.attention.write_slots(cache.value, v, meta.slot_mapping)
         selected = self.indexer(x, cos, sin, meta, cache, rotary) if self.indexer is not None else None
-        out = ops.attention.paged_attention(
-            q, cache.key, cache.value, meta.block_tables, meta.query_start_loc_cpu, meta.context_lens_cpu,
-            self.scaling, selected,
-        )
+        out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)

@@ -32,17 +32,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, state: GDNState) -> torch.Tensor:
         T = x.shape[0]
-        qkv = ops.conv.causal_conv1d(
-            self.in_proj_qkv(x), self.conv1d.weight[:, 0, :], state.conv, meta.query_start_loc_cpu,
-            meta.state_slots_cpu, meta.has_initial_state, activation="silu",
-        )
+        qkv = ops.conv.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0, :], state.conv, meta)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(self.in_proj_b(x))
         # log-decay <= 0, in fp32 (A_log in low precision would overflow exp)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         core = ops.gated_delta.gated_delta_rule(
             q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim), v.reshape(T, -1, self.head_v_dim),
-            g, beta, state.ssm, meta.query_start_loc_cpu, meta.state_slots_cpu, meta.has_initial_state,
+            g, beta, state.ssm, meta,
         )
         z = self.in_proj_z(x).reshape(-1, self.head_v_dim)
         core = self.norm(core.reshape(-1, self.head_v_dim), z).reshape(T, -1)

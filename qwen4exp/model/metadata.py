@@ -25,10 +25,17 @@ class StepMetadata:
     new_block_token_slots: torch.Tensor  # [NB, C] int64 flat cache rows of the block's C tokens
     new_block_slots: torch.Tensor  # [NB] int64 flat block-key rows
     new_block_positions: torch.Tensor  # [NB] rotary position of each block's first token
+    # Per-token layout on the device (vectorised fast paths; no host data, so CUDA-graph safe):
+    token_req: torch.Tensor  # [T] int64 request index of each token
+    token_pos: torch.Tensor  # [T] int64 logical position of each token in its request
+    token_local: torch.Tensor  # [T] int64 index of the token among its request's new tokens
+    has_initial: torch.Tensor  # [R] bool request has cached state (context_len > 0)
     # Host copies that drive per-request loops without device syncs:
     query_start_loc_cpu: list[int]
     context_lens_cpu: list[int]
     state_slots_cpu: list[int]
+    num_decode_reqs: int  # requests 0 .. num_decode_reqs-1 bring exactly one token (the runner orders them first)
+    max_seq_len: int  # static upper bound on any request's length after this step (sizes QSA score buffers)
 
     @property
     def num_tokens(self) -> int:

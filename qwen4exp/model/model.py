@@ -59,9 +59,7 @@ class TextModel(nn.Module):
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
         shifted = None
         if c.ple_layer_ids:  # the EOS-aware n-gram windows are shared by every PLE layer
-            shifted = ops.ngram.shifted_tokens(
-                meta.input_ids, meta.query_start_loc_cpu, meta.ngram_context, c.eos_token_id, c.ngram_size
-            )
+            shifted = ops.ngram.shifted_tokens(meta, c.eos_token_id, c.ngram_size)
         streams = x.repeat(1, c.hc_count)
         for i, layer in enumerate(self.layers):
             streams = layer(streams, meta, cos, sin, cache.layers[i], cache.ple.get(i), shifted, self.rotary_emb)

@@ -109,8 +109,6 @@ class PLELayer(nn.Module):
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden_size)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)  # [T, hc*H]
-        conv = ops.conv.causal_conv1d(
-            self.norm_conv(gated), self.conv1d.weight[:, 0, :], conv_state, meta.query_start_loc_cpu,
-            meta.state_slots_cpu, meta.has_initial_state, dilation=self.dilation, activation="silu",
-        )
+        conv = ops.conv.causal_conv1d(self.norm_conv(gated), self.conv1d.weight[:, 0, :], conv_state, meta,
+                                      dilation=self.dilation)
         return gated + conv

@@ -23,7 +23,7 @@ def logical_slots(block_table_row: torch.Tensor, positions: torch.Tensor, rows_p
     return block_table_row[positions // rows_per_page].long() * rows_per_page + positions % rows_per_page
 
 
-def qsa_select(
+def qsa_select_ref(
     index_q: torch.Tensor,
     block_key: torch.Tensor,
     block_tables: torch.Tensor,
@@ -71,7 +71,7 @@ def qsa_select(
     return out
 
 
-def paged_attention(
+def paged_attention_ref(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -111,3 +111,29 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out[s:e] = torch.einsum("hnl,lhd->nhd", probs, v)
     return out
+
+
+def qsa_select(index_q, block_key, meta, budget: int, compress_ratio: int) -> torch.Tensor:
+    """Step-level dispatch of the block selection (see qsa_select_ref for the semantics)."""
+    from . import fast_path
+
+    if not fast_path(index_q):
+        return qsa_select_ref(index_q, block_key, meta.block_tables, meta.query_start_loc_cpu, meta.context_lens_cpu,
+                              budget, compress_ratio)
+    from .qsa_fast import qsa_select_batched
+
+    return qsa_select_batched(index_q, block_key, meta.block_tables, meta.token_req, meta.token_pos, budget,
+                              compress_ratio, max(1, meta.max_seq_len // compress_ratio))
+
+
+def paged_attention(q, key_cache, value_cache, meta, scale: float, selected=None) -> torch.Tensor:
+    """Step-level dispatch of the (sparse) paged attention (see paged_attention_ref for the semantics)."""
+    from . import fast_path
+
+    if not fast_path(q):
+        return paged_attention_ref(q, key_cache, value_cache, meta.block_tables, meta.query_start_loc_cpu,
+                                   meta.context_lens_cpu, scale, selected)
+    from .triton_attention import sparse_paged_attention
+
+    return sparse_paged_attention(q, key_cache, value_cache, meta.block_tables, meta.token_req, meta.token_pos,
+                                  scale, selected)

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(
+def causal_conv1d_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
     conv_state: torch.Tensor,
@@ -34,4 +34,26 @@ def causal_conv1d(
             y = F.silu(y)
         out[start:end] = y.t().to(x.dtype)
         conv_state[slot] = window[:, -state_len:]
+    return out
+
+
+def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: str | None = "silu"):
+    """Step-level dispatch: one-token requests (the first meta.num_decode_reqs) take the fused update kernel on
+    GPU; longer chunks and the CPU take the reference."""
+    from . import fast_path
+
+    qsl = meta.query_start_loc_cpu
+    if not fast_path(x):
+        return causal_conv1d_ref(x, weight, conv_state, qsl, meta.state_slots_cpu, meta.has_initial_state, dilation,
+                                 activation)
+    from .triton_conv import causal_conv1d_update
+
+    d = meta.num_decode_reqs
+    out = torch.empty_like(x)
+    if d:
+        out[:d] = causal_conv1d_update(x[:d], weight, conv_state, meta.state_slots[:d], meta.has_initial[:d],
+                                       dilation, activation)
+    if d < meta.num_reqs:
+        out[d:] = causal_conv1d_ref(x[d:], weight, conv_state, [q - d for q in qsl[d:]], meta.state_slots_cpu[d:],
+                                    meta.has_initial_state[d:], dilation, activation)
     return out

@@ -73,7 +73,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.transpose(0, 1), state
 
 
-def gated_delta_rule(
+def gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -96,4 +96,44 @@ def gated_delta_rule(
         o, final = fn(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init.float())
         out[s:e] = o.to(out.dtype)
         ssm_state[slot] = final
+    return out
+
+
+def _fla_chunk():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
+    """Step-level dispatch. GPU: one-token requests take the fused recurrent kernel (in place on the slots);
+    prefill chunks take fla's varlen chunk kernel when installed. CPU: the reference."""
+    from . import fast_path
+
+    qsl = meta.query_start_loc_cpu
+    if not fast_path(v):
+        return gated_delta_rule_ref(q, k, v, g, beta, ssm_state, qsl, meta.state_slots_cpu, meta.has_initial_state)
+    from .triton_gdn import fused_recurrent_gated_delta_rule
+
+    d, r = meta.num_decode_reqs, meta.num_reqs
+    out = torch.empty_like(v)
+    if d:
+        out[:d] = fused_recurrent_gated_delta_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], ssm_state,
+                                                   meta.state_slots[:d], meta.has_initial[:d])
+    if d == r:
+        return out
+    chunk = _fla_chunk()
+    if chunk is None:
+        out[d:] = gated_delta_rule_ref(q[d:], k[d:], v[d:], g[d:], beta[d:], ssm_state, [x - d for x in qsl[d:]],
+                                       meta.state_slots_cpu[d:], meta.has_initial_state[d:])
+        return out
+    slots = meta.state_slots[d:]
+    init = torch.where(meta.has_initial[d:, None, None, None], ssm_state[slots], 0.0)
+    cu = meta.query_start_loc[d:].long() - d
+    o, final = chunk(q[None, d:], k[None, d:], v[None, d:], g[None, d:].float(), beta[None, d:], initial_state=init,
+                     output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    out[d:] = o[0].to(out.dtype)
+    ssm_state[slots] = final.float()
     return out

@@ -13,7 +13,7 @@ private op: `grouped_mm_available` guards it and `grouped_moe` falls back to the
 import torch
 import torch.nn.functional as F
 
-from .moe import moe_experts
+from .moe import moe_experts_ref as moe_experts
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

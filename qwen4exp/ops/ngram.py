@@ -3,7 +3,7 @@
 import torch
 
 
-def shifted_tokens(
+def shifted_tokens_ref(
     input_ids: torch.Tensor, query_start_loc: list[int], ngram_context: torch.Tensor, eos_token_id: int, n: int
 ) -> torch.Tensor:
     """Token t-s for every new token t and shift s < n, restarting after each EOS.
@@ -50,3 +50,15 @@ def ngram_ids(
         sl = slice((order - 2) * heads_per_ngram, (order - 1) * heads_per_ngram)
         blocks.append(torch.remainder(mixed[:, None], head_sizes[sl]) + head_offsets[sl])
     return torch.cat(blocks, dim=1)
+
+
+def shifted_tokens(meta, eos_token_id: int, n: int) -> torch.Tensor:
+    """Step-level dispatch of `shifted_tokens_ref` (vectorised, graph-safe version on GPU)."""
+    from . import fast_path
+
+    if not fast_path(meta.input_ids):
+        return shifted_tokens_ref(meta.input_ids, meta.query_start_loc_cpu, meta.ngram_context, eos_token_id, n)
+    from .ngram_fast import shifted_tokens_batched
+
+    return shifted_tokens_batched(meta.input_ids, meta.token_req, meta.token_local, meta.ngram_context,
+                                  eos_token_id, n)

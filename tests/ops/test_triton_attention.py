@@ -80,7 +80,7 @@ def random_selection(token_pos, width, seed=0, keep=0.6):
 
 
 def reference(b, scale, selected=None):
-    return ref_ops.paged_attention(
+    return ref_ops.paged_attention_ref(
         b["q"], b["key_cache"], b["value_cache"], b["block_tables"], b["qsl"], b["ctx"], scale, selected
     )
 
@@ -116,7 +116,7 @@ def test_selected_from_qsa_select(page, group, splits):
     g = torch.Generator().manual_seed(2)
     block_key = torch.randn(b["key_cache"].shape[0], page // C, Di, generator=g).to(DEVICE)
     index_q = torch.randn(b["q"].shape[0], Hi, Di, generator=g).to(DEVICE)
-    selected = ref_ops.qsa_select(index_q, block_key, b["block_tables"], b["qsl"], b["ctx"], budget, C)
+    selected = ref_ops.qsa_select_ref(index_q, block_key, b["block_tables"], b["qsl"], b["ctx"], budget, C)
     assert (selected >= 0).sum(1).max() > budget  # some rows are truly sparse: top blocks + tail
     scale = 32**-0.5
     expected = reference(b, scale, selected)

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from qwen4exp.ops.conv import causal_conv1d  # noqa: E402
+from qwen4exp.ops.conv import causal_conv1d_ref as causal_conv1d  # noqa: E402
 from qwen4exp.ops.triton_conv import causal_conv1d_update, causal_conv1d_update_ref  # noqa: E402
 
 NUM_SLOTS = 9

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from qwen4exp.ops.moe import moe_experts  # noqa: E402
+from qwen4exp.ops.moe import moe_experts_ref as moe_experts  # noqa: E402
 from qwen4exp.ops.moe_grouped import grouped_mm_available, grouped_moe  # noqa: E402
 from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config, moe_align  # noqa: E402
 

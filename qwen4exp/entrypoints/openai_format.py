@@ -1,0 +1,173 @@
+"""RequestOutput -> OpenAI response pieces: completion and chat choices, streaming deltas, logprobs and usage.
+
+RequestOutputs are cumulative; streams remember per choice how much text and how many tokens were sent.
+The logprob lists in an output are the engine's live lists (the engine thread may append to them while we read),
+so they are always sliced to the token ids the output carries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..engine.request import CompletionOutput, Logprob, RequestOutput
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _lp(x: float) -> float:
+    # JSON has no -inf or NaN; vLLM clamps to -9999 the same way
+    return x if not math.isnan(x) and x > -9999.0 else -9999.0
+
+
+def usage(outputs: list[RequestOutput], echo_only: bool = False) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = 0 if echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class _Sent:
+    text: int = 0  # characters of generated text sent
+    tokens: int = 0  # generated tokens whose logprobs were sent
+    text_offset: int = 0  # completions logprobs: offset of the next token
+    started: bool = False
+    done: bool = False
+
+
+class Formatter:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def new_stream_state() -> dict[int, _Sent]:
+        return defaultdict(_Sent)
+
+    def piece(self, token_id: int, entry: dict[int, Logprob] | None = None) -> str:
+        lp = entry.get(token_id) if entry else None
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+
+    @staticmethod
+    def _generated(req: CompletionRequest, c: CompletionOutput):
+        if req.echo_only:  # the one token the engine had to generate is not part of the answer
+            return "", [], []
+        ids = c.token_ids
+        return c.text, ids, (c.logprobs[: len(ids)] if c.logprobs is not None else [None] * len(ids))
+
+    @staticmethod
+    def _prompt_part(out: RequestOutput):
+        ids = out.prompt_token_ids
+        entries = out.prompt_logprobs[: len(ids)] if out.prompt_logprobs is not None else [None] * len(ids)
+        return ids, entries
+
+    # ----- completions -----
+    def completion_logprobs(self, ids: list[int], entries: list, offset: int = 0) -> tuple[dict, int]:
+        """OpenAI's legacy format; the first prompt token has no logprob (None), as in vLLM."""
+        tokens, token_lps, top, offsets = [], [], [], []
+        for tid, entry in zip(ids, entries):
+            piece = self.piece(tid, entry)
+            tokens.append(piece)
+            offsets.append(offset)
+            offset += len(piece)
+            if entry is None:
+                token_lps.append(None)
+                top.append(None)
+            else:
+                token_lps.append(_lp(entry[tid].logprob))
+                top.append({self.piece(t, entry): _lp(e.logprob) for t, e in entry.items()})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}, offset
+
+    def completion_choice(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, index: int) -> dict:
+        text, ids, entries = self._generated(req, c)
+        if req.echo:
+            p_ids, p_entries = self._prompt_part(out)
+            text, ids, entries = self.prompt_text(out) + text, p_ids + ids, p_entries + entries
+        logprobs = self.completion_logprobs(ids, entries)[0] if req.logprobs is not None else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, "prompt_logprobs": self.prompt_logprobs(req, out)}
+
+    def completion_delta(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, index: int,
+                         state: dict[int, _Sent]) -> dict | None:
+        s = state[index]
+        if s.done:
+            return None
+        finished = c.finish_reason is not None
+        text, ids, entries = self._generated(req, c)
+        prefix, p_ids, p_entries = "", [], []
+        if not s.started and req.echo:
+            if req.logprobs is not None and len(out.prompt_logprobs or ()) < len(out.prompt_token_ids):
+                return None  # prompt logprobs arrive chunk by chunk during prefill: echo them once complete
+            prefix = self.prompt_text(out)
+            p_ids, p_entries = self._prompt_part(out)
+        new_text = text[s.text:]
+        if not (prefix or new_text or finished):
+            return None  # tokens without text yet (held back, partial character) go out with the next chunk
+        s.started, s.done = True, finished
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, s.text_offset = self.completion_logprobs(
+                p_ids + ids[s.tokens:], p_entries + entries[s.tokens:], s.text_offset)
+        s.text, s.tokens = max(s.text, len(text)), len(ids)
+        return {"index": index, "text": prefix + new_text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason if finished else None,
+                "stop_reason": c.stop_reason if finished else None}
+
+    def prompt_logprobs(self, req, out: RequestOutput) -> list | None:
+        """vLLM's `prompt_logprobs` field: per prompt token None or {id: {logprob, rank, decoded_token}}."""
+        if req.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                                 "decoded_token": self.piece(t, e)} for t, lp in e.items()}
+                for e in out.prompt_logprobs[: len(out.prompt_token_ids)]]
+
+    # ----- chat -----
+    @staticmethod
+    def chat_echo(req: ChatCompletionRequest) -> str:
+        last = req.messages[-1]
+        if not req.echo or last.role != "assistant":
+            return ""
+        return last.for_template().get("content") or ""
+
+    def chat_logprobs(self, ids: list[int], entries: list, k: int) -> dict:
+        content = []
+        for tid, entry in zip(ids, entries):
+            if entry is None:
+                continue
+            top = sorted((e.rank, t, e) for t, e in entry.items() if e.rank is not None and e.rank <= k)[:k]
+            piece = self.piece(tid, entry)
+            content.append({
+                "token": piece, "logprob": _lp(entry[tid].logprob), "bytes": list(piece.encode("utf-8")),
+                "top_logprobs": [{"token": self.piece(t, entry), "logprob": _lp(e.logprob),
+                                  "bytes": list(self.piece(t, entry).encode("utf-8"))} for _, t, e in top],
+            })
+        return {"content": content}
+
+    def _chat_logprobs_of(self, req: ChatCompletionRequest, c: CompletionOutput, start: int) -> dict | None:
+        if not req.logprobs or c.logprobs is None:
+            return None
+        ids = c.token_ids
+        return self.chat_logprobs(ids[start:], c.logprobs[start: len(ids)], req.top_logprobs or 0)
+
+    def chat_choice(self, req: ChatCompletionRequest, out: RequestOutput, c: CompletionOutput, echo: str) -> dict:
+        return {"index": c.index, "message": {"role": "assistant", "content": echo + c.text, "tool_calls": []},
+                "logprobs": self._chat_logprobs_of(req, c, 0), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def chat_delta(self, req: ChatCompletionRequest, c: CompletionOutput, state: dict[int, _Sent]) -> dict | None:
+        s = state[c.index]
+        if s.done:
+            return None
+        finished = c.finish_reason is not None
+        new_text = c.text[s.text:]
+        if not (new_text or finished):
+            return None
+        logprobs = self._chat_logprobs_of(req, c, s.tokens)
+        s.text, s.tokens, s.done = max(s.text, len(c.text)), len(c.token_ids), finished
+        return {"index": c.index, "delta": {"content": new_text} if new_text else {}, "logprobs": logprobs,
+                "finish_reason": c.finish_reason if finished else None,
+                "stop_reason": c.stop_reason if finished else None}

@@ -1,0 +1,382 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on a free port (in this process, so the engine's
+cache can be inspected) over the tiny random checkpoint, driven by the official openai client, raw HTTP and
+lm-evaluation-harness, and compared with the offline LLM on the same weights."""
+
+import contextlib
+import math
+import os
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from qwen4exp import LLM, SamplingParams
+from qwen4exp.config import EngineConfig
+from qwen4exp.engine.engine import LLMEngine
+from qwen4exp.entrypoints.async_engine import AsyncEngine
+from qwen4exp.entrypoints.server import build_app
+from qwen4exp.weights.random_checkpoint import make_random
+
+MODEL = "tiny"
+MAX_LEN = 256
+LIMITS = dict(max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=256, cpu_cache_bytes=1 << 24)
+MAX_QUEUED = 2
+TASK_DIR = os.path.join(os.path.dirname(__file__), "data", "lmeval_task")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    make_random(path, "tiny", dtype="float32")
+    return path
+
+
+class Live:
+    def __init__(self, url: str, async_engine: AsyncEngine):
+        self.url, self.async_engine, self.engine = url, async_engine, async_engine.engine
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        return sum(float(m.group(2)) for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
+
+    def idle(self) -> bool:
+        return (self.engine.cache.all_free() and self.metric("qwen4exp:num_requests_running") == 0
+                and self.metric("qwen4exp:num_requests_waiting") == 0)
+
+
+@pytest.fixture(scope="session")
+def live(tiny_dir):
+    engine = LLMEngine(tiny_dir, EngineConfig(**LIMITS, max_queued_requests=MAX_QUEUED), dtype="float32",
+                       device="cpu")
+    async_engine = AsyncEngine(engine).start()
+    app = build_app(async_engine, MODEL, max_model_len=MAX_LEN, model_path=tiny_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    poll(lambda: server.started, 30)
+    yield Live(f"http://127.0.0.1:{port}", async_engine)
+    server.should_exit = True
+    thread.join(10)
+    async_engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_dir):
+    return LLM(tiny_dir, dtype="float32", device="cpu", **LIMITS)
+
+
+@pytest.fixture(scope="session")
+def client(live):
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def poll(cond, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def assert_envelope(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# ----- openai client -----
+def test_models_lists_served_name(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_offline_generate(client, reference):
+    prompt = "The quick brown fox"
+    ref = reference.generate(prompt, greedy(12, logprobs=0), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
+    c = r.choices[0]
+    assert c.text == ref.text and c.finish_reason == ref.finish_reason
+    assert c.logprobs.token_logprobs == pytest.approx(
+        [lp[t].logprob for t, lp in zip(ref.token_ids, ref.logprobs)], abs=1e-4)
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.id.startswith("cmpl-") and r.model == MODEL and r.created > 0
+    ids = reference.get_tokenizer().encode(prompt, add_special_tokens=False)
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0).choices[0].text == ref.text
+
+
+def test_completion_prompt_lists_and_n(client, reference):
+    prompts = ["Hello there", "Once upon a time"]
+    tok = reference.get_tokenizer()
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    refs = [o.outputs[0] for o in reference.generate(prompts, greedy(8), use_tqdm=False)]
+    for form in (prompts, ids):
+        r = client.completions.create(model=MODEL, prompt=form, max_tokens=8, temperature=0, n=2)
+        choices = sorted(r.choices, key=lambda c: c.index)
+        assert [c.index for c in choices] == [0, 1, 2, 3]
+        assert [c.text for c in choices] == [refs[0].text] * 2 + [refs[1].text] * 2
+        assert r.usage.prompt_tokens == sum(map(len, ids))
+        assert r.usage.completion_tokens == 2 * sum(len(o.token_ids) for o in refs)
+
+
+def test_chat_equals_offline_chat(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    ref = reference.chat(messages, greedy(10, logprobs=2), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids) == len(c.logprobs.content)
+    for entry, tid, lp in zip(c.logprobs.content, ref.outputs[0].token_ids, ref.outputs[0].logprobs):
+        assert entry.logprob == pytest.approx(lp[tid].logprob, abs=1e-4)
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 2 and tops == sorted(tops, reverse=True) and tops[0] >= entry.logprob - 1e-6
+    assert r.id.startswith("chatcmpl-") and r.model == MODEL
+
+
+def test_streaming_completion_equals_non_streamed(client):
+    kw = dict(model=MODEL, prompt="Streaming is", max_tokens=16, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streaming_chat_equals_non_streamed(client, live):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say something"}], max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    # raw framing: every event is a `data:` line and the stream ends with [DONE]
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**kw, "stream": True}, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_echo_with_zero_max_tokens_scores_the_prompt(live, reference):
+    tok = reference.get_tokenizer()
+    ids = tok.encode("The capital of France is Paris", add_special_tokens=False)
+    ref = reference.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                             use_tqdm=False)[0].prompt_logprobs
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}
+    r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == tok.decode(ids) and len(lp["tokens"]) == len(ids) and r["usage"]["completion_tokens"] == 0
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([ref[i][t].logprob for i, t in enumerate(ids) if i], abs=1e-4)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(ids))]
+    # streamed, the echo (with its prompt logprobs) arrives once the prompt is scored, then the generated tokens
+    with httpx.stream("POST", f"{live.url}/v1/completions", timeout=60,
+                      json={**body, "max_tokens": 3, "temperature": 0, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    import json
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert chunks[0]["text"].startswith(tok.decode(ids))
+    streamed = [x for ch in chunks for x in ch["logprobs"]["token_logprobs"]]
+    assert len(streamed) == len(ids) + 3 and streamed[1:len(ids)] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+
+
+# ----- errors -----
+def test_context_length_error_names_both_numbers(live, reference):
+    n_prompt = len(reference.get_tokenizer().encode("Hello world", add_special_tokens=False))
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "Hello world", "max_tokens": 300})
+    msg = assert_envelope(r, 400)["message"]
+    assert str(MAX_LEN) in msg and str(n_prompt + 300) in msg
+    r = httpx.post(f"{live.url}/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000})
+    assert str(MAX_LEN) in assert_envelope(r, 400)["message"]
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 4 + MAX_QUEUED + 1}, 400, "n"),  # could never be admitted
+    ("/v1/completions", {"prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 2, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": ', 400, None),
+    ("/v1/completions", '[1, 2]', 400, None),
+    ("/v1/completions", '{"prompt": "a", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_p": 1.5}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "model": "nope"}, 404, "model"),
+    ("/tokenize", {}, 400, None),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/v1/no-such-route", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS, ids=[f"{p}-{i}" for i, (p, *_) in
+                                                                       enumerate(BAD_REQUESTS)])
+def test_bad_request_gets_error_envelope(live, path, body, status, param):
+    if isinstance(body, str):
+        r = httpx.post(live.url + path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = httpx.post(live.url + path, json=({"model": MODEL} if path.startswith("/v1") else {}) | body)
+    assert_envelope(r, status, param)
+
+
+def test_server_healthy_after_bad_requests(live, client):
+    # runs after the error tests: none of them may have hurt the engine loop or leaked a request
+    assert httpx.get(f"{live.url}/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=3).usage.completion_tokens >= 1
+    poll(live.idle, 10)
+
+
+def test_api_key(live):
+    with TestClient(build_app(live.async_engine, MODEL, api_key="sekret")) as c:
+        assert_envelope(c.get("/v1/models"), 401)
+        assert_envelope(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert_envelope(c.post("/v1/completions", content="{bad json"), 401)  # auth is checked first
+        ok = {"Authorization": "Bearer sekret"}
+        assert c.get("/v1/models", headers=ok).json()["data"][0]["id"] == MODEL
+        r = c.post("/v1/completions", headers=ok, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert c.get("/health").status_code == 200  # like vLLM, only /v1 needs the key
+
+
+def test_queue_full_returns_503_and_closed_streams_free_everything(live):
+    url = f"{live.url}/v1/completions"
+    finished = live.metric("qwen4exp:request_success_total")
+    body = {"model": MODEL, "prompt": "Queue up", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as c, contextlib.ExitStack() as streams:
+        # 4 seats in the batch + MAX_QUEUED waiting; the streams stay open (generating) while we add more
+        statuses = [streams.enter_context(c.stream("POST", url, json=body)).status_code for _ in range(4 + MAX_QUEUED)]
+        assert statuses == [200] * (4 + MAX_QUEUED)
+        err = assert_envelope(c.post(url, json={**body, "stream": False}), 503)
+        assert err["type"] == "ServiceUnavailableError"
+        poll(lambda: live.metric("qwen4exp:num_requests_waiting") == MAX_QUEUED, 10)
+    # closing the streams aborts all six, including the two that never got a seat
+    poll(live.idle, 10)
+    assert live.metric("qwen4exp:request_success_total") == finished
+    assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(live):
+    generated = live.metric("qwen4exp:generation_tokens_total")
+    finished = live.metric("qwen4exp:request_success_total")
+    body = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break
+    poll(live.idle, 10)
+    assert live.metric("qwen4exp:generation_tokens_total") - generated < 100  # stopped long before max_tokens
+    assert live.metric("qwen4exp:request_success_total") == finished  # aborted, not finished
+
+
+def test_engine_step_failure_fails_requests_not_the_server(live):
+    engine, real_step, calls = live.engine, live.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = failing_step
+    try:
+        r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 4})
+        assert "injected step failure" in assert_envelope(r, 500)["message"]
+        with httpx.stream("POST", f"{live.url}/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "boom", "max_tokens": 4, "stream": True}) as s:
+            events = [line for line in s.iter_lines() if line]
+        assert '"error"' in events[0] and events[-1] == "data: [DONE]"
+    finally:
+        del engine.step
+    poll(live.idle, 10)
+    assert httpx.get(f"{live.url}/health").status_code == 200
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "fine again", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_health_is_503_without_a_running_engine_loop(live):
+    with TestClient(build_app(AsyncEngine(live.engine), MODEL)) as c:  # never started
+        assert_envelope(c.get("/health"), 503)
+        assert_envelope(c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 503)
+
+
+# ----- vLLM's extra routes -----
+def test_tokenize_detokenize_metrics(live, reference):
+    tok = reference.get_tokenizer()
+    r = httpx.post(f"{live.url}/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_LEN
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{live.url}/tokenize", json={"messages": messages}).json()
+    assert r["tokens"] == list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+    assert httpx.post(f"{live.url}/detokenize", json={"tokens": tok.encode("Hello world")}).json() == {
+        "prompt": "Hello world"}
+    text = httpx.get(f"{live.url}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_bucket", "request_success_total"):
+        assert f"qwen4exp:{name}" in text
+    assert live.metric("qwen4exp:generation_tokens_total") > 0
+
+
+# ----- lm-evaluation-harness -----
+def test_lm_eval_loglikelihoods_equal_engine_prompt_logprobs(live, reference, tiny_dir):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": f"{live.url}/v1/completions", "model": MODEL, "tokenizer_backend": "huggingface",
+                    "tokenizer": tiny_dir, "num_concurrent": 1, "max_retries": 1},
+        tasks=["qwen4exp_tiny_mc"], task_manager=TaskManager(include_path=TASK_DIR, include_defaults=False),
+        log_samples=True, batch_size=1,
+    )
+    tok = reference.get_tokenizer()
+    pairs, got = [], []
+    for sample in results["samples"]["qwen4exp_tiny_mc"]:
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
+            # lm-eval's causal encoding: tokenize context+continuation, the continuation is what follows the context
+            ctx = tok.encode(context, add_special_tokens=False)
+            whole = tok.encode(context + continuation, add_special_tokens=False)
+            pairs.append((whole, len(ctx)))
+            got.append(resp[0][0])
+    assert len(got) == 14
+    outs = reference.generate([{"prompt_token_ids": ids} for ids, _ in pairs],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    expected = [sum(o.prompt_logprobs[i][ids[i]].logprob for i in range(n_ctx, len(ids)))
+                for o, (ids, n_ctx) in zip(outs, pairs)]
+    assert all(math.isfinite(x) for x in got)
+    assert got == pytest.approx(expected, abs=1e-4)
+    poll(live.idle, 10)
