@@ -1,6 +1,5 @@
 """Checkpoint loading: layouts, shards, and errors that list the offending tensors by name."""
 
-import json
 import os
 import subprocess
 import sys

@@ -61,12 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve_cli import add_serve_parser
 
     add_serve_parser(sub)
-    try:
-        from ..bench.cli import add_bench_parser
-    except ImportError:
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
+    from ..bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 

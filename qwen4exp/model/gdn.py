@@ -1,7 +1,6 @@
 """Gated DeltaNet (linear attention) with the flat Qwen3.5 projection layout."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
@@ -34,9 +33,7 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         qkv = ops.conv.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0, :], state.conv, meta)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        # log-decay <= 0, in fp32 (A_log in low precision would overflow exp)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta, g = ops.gated_delta.gdn_gates(self.in_proj_b(x), self.in_proj_a(x), self.A_log, self.dt_bias)
         core = ops.gated_delta.gated_delta_rule(
             q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim), v.reshape(T, -1, self.head_v_dim),
             g, beta, state.ssm, meta,

@@ -7,9 +7,9 @@ with its weight. There is no final RMSNorm: a last `GatedResidual` without injec
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..config import ModelConfig
 from .common import RMSNorm
 
@@ -27,15 +27,13 @@ class GatedResidual(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams: [T, hc*H] -> (block input [T, H], injection weights [T, hc] or None for the final mixer)."""
-        normed = self.hc_norm(streams)
-        gate = F.silu(self.input_mix_weight_down(normed) / self.hc_count)
-        gate = torch.sigmoid(self.input_mix_weight_up(gate))
-        mixed = (gate * normed).unflatten(-1, (self.hc_count, self.hidden_size)).mean(dim=-2)
-        if self.block_inject_weight is None:
-            return mixed, None
-        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+        inject = self.block_inject_weight.weight if self.block_inject_weight is not None else None
+        return ops.hyper_connection.hc_mix(
+            streams, self.hc_norm.weight, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight,
+            inject, self.hc_norm.eps, self.hc_count,
+        )
 
 
 def combine(streams: torch.Tensor, block_out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
     """streams + block_out * inject_s on every stream s. streams [T, hc*H]; block_out [T, H]; inject [T, hc]."""
-    return streams + (block_out[:, None, :] * inject[:, :, None]).flatten(1)
+    return ops.hyper_connection.hc_combine(streams, block_out, inject)

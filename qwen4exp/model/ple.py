@@ -9,7 +9,6 @@ the normalised gated values adds local context. The layer returns the residual u
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops

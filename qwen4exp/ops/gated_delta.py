@@ -7,8 +7,17 @@ Prefill runs the chunked (UT-transform) form, single tokens the recurrent form; 
 """
 
 import torch
+import torch.nn.functional as F
+
+from . import compiled_on_gpu
 
 CHUNK = 64
+
+
+@compiled_on_gpu
+def gdn_gates(b, a, A_log, dt_bias):
+    """beta = sigmoid(b) (input dtype); log-decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in fp32."""
+    return torch.sigmoid(b), -A_log.float().exp() * F.softplus(a.float() + dt_bias)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

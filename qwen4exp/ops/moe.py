@@ -3,6 +3,19 @@
 import torch
 import torch.nn.functional as F
 
+from . import compiled_on_gpu
+
+
+@compiled_on_gpu
+def route(x, router_weight, top_k: int, renormalize: bool):
+    """Softmax router: x [N, H] -> (weights [N, k] in x's dtype, expert ids [N, k]); softmax in fp32."""
+    logits = F.linear(x, router_weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
 
 def moe_experts_ref(
     x: torch.Tensor,

@@ -3,7 +3,10 @@
 import torch
 import torch.nn.functional as F
 
+from . import compiled_on_gpu
 
+
+@compiled_on_gpu
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
     """Zero-centred RMSNorm: x / rms(x) * (1 + w), in fp32, cast back to x's dtype.
 
@@ -19,6 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int 
     return (out * (1.0 + weight.float())).type_as(x)
 
 
+@compiled_on_gpu
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str):
     """GDN output norm: w * (x / rms(x)) * act(gate), norm before gate. x, gate: [N, D]; weight: [D] (not centred).
 

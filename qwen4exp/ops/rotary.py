@@ -2,6 +2,8 @@
 
 import torch
 
+from . import compiled_on_gpu
+
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, mrope_section=None):
     """positions: [T] (text) or [3, T] (t, h, w rows); inv_freq: [R/2] fp32. Returns cos, sin: [T, R] in `dtype`.
@@ -21,6 +23,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+@compiled_on_gpu
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D] (or [T, D]); cos/sin: [T, R] with R <= D. Rotates the first R dims, NeoX pairs (i, i+R/2)."""
     if x.dim() == 3:

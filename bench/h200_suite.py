@@ -1,0 +1,251 @@
+"""One-process H200 benchmark: qwen4exp vs transformers on the same random weights, plus the HBM roofline.
+
+    python bench/h200_suite.py --stages agree,ours,hf,report --out OUT_DIR
+
+Stages (each writes its results into OUT_DIR/results.json as soon as it finishes):
+  agree   GPU (bf16, fast paths + CUDA graphs) vs CPU reference (fp32) on the `small` preset, teacher forcing.
+  ours    flash-next-128e (bf16, load_format=dummy): batch-1 decode, prefill 8k / 32k, throughput vs concurrency.
+  hf      transformers' Qwen4ExpForCausalLM holding the very same weight tensors (no copy): batch-1 decode.
+  report  docs/benchmarks.md table + PNG plot from results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from qwen4exp.config import EngineConfig, load_model_config  # noqa: E402
+from qwen4exp.engine.engine import LLMEngine  # noqa: E402
+from qwen4exp.weights.random_checkpoint import preset_config  # noqa: E402
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def preset(name: str):
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(preset_config(name, eos_token_id=0, dtype="bfloat16"), f)
+    return load_model_config(d)
+
+
+def copy_bandwidth(device, nbytes=4 << 30, iters=10) -> float:
+    """Device-to-device copy, bytes read + written per second (median)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(iters + 2):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    times = sorted(times[2:])
+    return 2 * nbytes / times[len(times) // 2]
+
+
+def decode_bytes(model, ctx_len: int) -> int:
+    """Bytes a batch-1 decode step must read: every weight except unused experts, one embedding row and the
+    n-gram rows, plus recurrent/conv states (read and written) and the attention context."""
+    c = model.config
+    total = 0
+    for name, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        if ".experts." in name:
+            total += b * c.num_experts_per_tok // c.num_experts
+        elif "embed_tokens" in name and not c.tie_word_embeddings:
+            total += p.shape[1] * p.element_size()
+        elif "ngram_embedding" in name:
+            total += c.ngram_heads * p.shape[1] * p.element_size()
+        else:
+            total += b
+    n_lin = c.layer_types.count("linear_attention")
+    state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv = c.gdn_conv_dim * (c.linear_conv_kernel_dim - 1) * 2
+    total += 2 * n_lin * (state + conv)
+    n_attn = c.num_hidden_layers - n_lin
+    kv_tok = 2 * c.num_key_value_heads * c.head_dim * 2
+    attended = min(ctx_len, (c.indexer_budget + c.indexer_compress_ratio - 1) if c.qsa else ctx_len)
+    total += n_attn * attended * kv_tok
+    return total
+
+
+def stage_agree(results, device):
+    """GPU bf16 (eager prefill + graph decode) vs CPU fp32 reference, top-1 under teacher forcing."""
+    from qwen4exp.engine.runner import RequestChunk
+
+    cfg = preset("small")
+    torch.manual_seed(0)
+    cpu = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=300, page_size=16, max_num_seqs=8),
+                    dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
+    gpu = LLMEngine(None, EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, gpu_memory_utilization=0.3,
+                                       cuda_graph_sizes=[1, 2, 4]),
+                    dtype="bfloat16", device=device, model_config=cfg, tokenizer=None,
+                    weights=((n, t.detach()) for n, t in cpu.model.state_dict().items()))
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(10, cfg.vocab_size, (512,), generator=gen).tolist() for _ in range(3)]
+    same = total = 0
+    nonfinite = 0
+    for seq in seqs:
+        ref = cpu.runner.execute([RequestChunk(seq, 0, [], cpu.cache.pages.allocate(32), cpu.cache.slots.allocate(1)[0],
+                                               0)])
+        pages, slot = gpu.cache.pages.allocate(32), gpu.cache.slots.allocate(1)[0]
+        rows = [gpu.runner.execute([RequestChunk(seq[:256], 0, [], pages, slot, 0)])]
+        for p in range(256, len(seq)):  # one token per step: the CUDA-graph decode path
+            rows.append(gpu.runner.execute([RequestChunk([seq[p]], p, seq[:p], pages, slot, 0)]))
+        out = torch.cat(rows).float().cpu()
+        nonfinite += int((~torch.isfinite(out)).sum())
+        same += int((out.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(seq)
+    results["agree"] = {"preset": "small", "positions": total, "top1_agreement": same / total,
+                        "nonfinite_logits": nonfinite, "graph_decode_positions": 3 * 256}
+    log("agree", results["agree"])
+    del cpu, gpu
+
+
+def stage_ours(results, device, quick=False):
+    from qwen4exp.bench.offline import latency, prefill, throughput
+
+    cfg = preset("flash-next-128e")
+    ecfg = EngineConfig(max_model_len=33 * 1024, max_num_seqs=64, max_num_batched_tokens=8192,
+                        gpu_memory_utilization=0.92, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
+    t0 = time.perf_counter()
+    engine = LLMEngine(None, ecfg, dtype="bfloat16", device=device, load_format="dummy", model_config=cfg,
+                       tokenizer=None)
+    log(f"engine ready in {time.perf_counter() - t0:.1f}s; cache {engine.cache.pages.num_usable} pages")
+    r = results.setdefault("ours", {})
+    r["startup_s"] = time.perf_counter() - t0
+    r["params_B"] = sum(p.numel() for p in engine.model.parameters()) / 1e9
+    bw = copy_bandwidth(device)
+    r["copy_bandwidth_GBs"] = bw / 1e9
+    lat = latency(engine, 1, 128, 128 if not quick else 32, iters=3)
+    r["decode_b1"] = lat
+    step = lat["median_tpot_ms"] / 1000
+    nbytes = decode_bytes(engine.model, 128 + 64)
+    r["decode_b1_bytes_per_step"] = nbytes
+    r["decode_b1_roofline_fraction"] = nbytes / bw / step
+    r["decode_b1_tok_s"] = 1 / step
+    log(f"decode b1: {1 / step:.1f} tok/s, TPOT {step * 1e3:.2f} ms, roofline {r['decode_b1_roofline_fraction']:.2%}")
+    save(results)
+    r["prefill_8k"] = prefill(engine, 8192, iters=2)
+    log("prefill 8k", r["prefill_8k"])
+    save(results)
+    if not quick:
+        r["prefill_32k"] = prefill(engine, 32768, iters=1)
+        log("prefill 32k", r["prefill_32k"])
+        save(results)
+        sweep = {}
+        for conc in (1, 8, 32, 64):
+            sweep[conc] = throughput(engine, conc, 1024, 256)
+            log(f"concurrency {conc}: {sweep[conc]['output_throughput']:.0f} output tok/s")
+            r["concurrency"] = sweep
+            save(results)
+    return engine
+
+
+def stage_hf(results, engine, new_tokens=16):
+    """transformers on the same weights: build on meta, then point every parameter at the engine's tensor."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    cfg_dict = preset_config("flash-next-128e", eos_token_id=0, dtype="bfloat16")
+    hf_cfg = Qwen4ExpTextConfig(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures")})
+    with torch.device("meta"):
+        hf = Qwen4ExpForCausalLM(hf_cfg)
+    ours = dict(engine.model.named_parameters())
+    ours |= dict(engine.model.named_buffers())
+    for name, _ in list(hf.named_parameters()) + list(hf.named_buffers()):
+        mod_name, _, leaf = name.rpartition(".")
+        module = hf.get_submodule(mod_name)
+        src = ours.get(name)
+        if src is None and leaf == "original_inv_freq":
+            src = ours[f"{mod_name}.inv_freq"]
+        if src is None:
+            raise KeyError(f"no tensor for {name}")
+        if leaf in module._parameters:
+            module._parameters[leaf] = torch.nn.Parameter(src, requires_grad=False)
+        else:
+            module._buffers[leaf] = src.clone()
+    hf.eval()
+    device = next(iter(ours.values())).device
+    ids = torch.randint(10, 200000, (1, 128), device=device)
+    times = {}
+    with torch.inference_mode():
+        for n in (1, 1 + new_tokens):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            torch.cuda.synchronize()
+            times[n] = time.perf_counter() - t0
+    tok_s = new_tokens / (times[1 + new_tokens] - times[1])
+    results["hf"] = {"decode_b1_tok_s": tok_s, "prefill128_plus_1_s": times[1], "new_tokens": new_tokens,
+                     "transformers": __import__("transformers").__version__,
+                     "experts_implementation": getattr(hf.config, "_experts_implementation", None)}
+    log("hf", results["hf"])
+    del hf
+
+
+RESULTS_PATH = None
+
+
+def save(results):
+    with open(RESULTS_PATH, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+def stage_report(results, out_dir):
+    from report import write_report
+
+    write_report(results, out_dir)
+
+
+def main():
+    global RESULTS_PATH
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", default="agree,ours,hf,report")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    RESULTS_PATH = os.path.join(args.out, "results.json")
+    results = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+                       "triton": __import__("triton").__version__}}
+    if os.path.exists(RESULTS_PATH):
+        results = json.load(open(RESULTS_PATH)) | results
+    device = torch.device("cuda")
+    stages = args.stages.split(",")
+    engine = None
+    for stage in stages:
+        t0 = time.perf_counter()
+        try:
+            if stage == "agree":
+                stage_agree(results, device)
+            elif stage == "ours":
+                engine = stage_ours(results, device, args.quick)
+            elif stage == "hf":
+                stage_hf(results, engine)
+            elif stage == "report":
+                stage_report(results, args.out)
+        except Exception:
+            results.setdefault("errors", {})[stage] = traceback.format_exc()
+            log(f"stage {stage} failed:\n{traceback.format_exc()}")
+        results.setdefault("stage_seconds", {})[stage] = time.perf_counter() - t0
+        save(results)
+    if "ours" in results and "hf" in results:
+        results["ratio_decode_b1_vs_hf"] = results["ours"]["decode_b1_tok_s"] / results["hf"]["decode_b1_tok_s"]
+        save(results)
+    log(json.dumps({k: v for k, v in results.items() if k != "errors"}, default=str)[:3000])
+
+
+if __name__ == "__main__":
+    main()

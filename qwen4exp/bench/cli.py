@@ -1,0 +1,77 @@
+"""`qwen4exp bench latency|throughput|serve` (vLLM's flag and metric names); results as JSON."""
+
+from __future__ import annotations
+
+import json
+
+
+def _engine(args):
+    from ..config import EngineConfig
+    from ..engine.engine import LLMEngine
+
+    cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+                       gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+    return LLMEngine(args.model, cfg, dtype=args.dtype, device=args.device, load_format=args.load_format)
+
+
+def _emit(args, result: dict) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text)
+
+
+def _latency(args) -> None:
+    from .offline import latency
+
+    _emit(args, latency(_engine(args), args.batch_size, args.input_len, args.output_len, args.num_iters))
+
+
+def _throughput(args) -> None:
+    from .offline import throughput
+
+    _emit(args, throughput(_engine(args), args.num_prompts, args.input_len, args.output_len))
+
+
+def _serve(args) -> None:
+    from .serving import run
+
+    _emit(args, run(args.base_url, args.model, args.num_prompts, args.input_len, args.output_len,
+                    args.max_concurrency, args.request_rate))
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    for name, fn in (("latency", _latency), ("throughput", _throughput)):
+        p = bench.add_parser(name)
+        p.add_argument("--model", required=True)
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--device", default=None)
+        p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+        p.add_argument("--input-len", type=int, default=32)
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--max-model-len", type=int, default=4096)
+        p.add_argument("--max-num-seqs", type=int, default=256)
+        p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        p.add_argument("--enforce-eager", action="store_true")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--output-json", default=None)
+        if name == "latency":
+            p.add_argument("--batch-size", type=int, default=1)
+            p.add_argument("--num-iters", type=int, default=3)
+        else:
+            p.add_argument("--num-prompts", type=int, default=64)
+        p.set_defaults(func=fn)
+    p = bench.add_parser("serve", help="load test a running server (OpenAI completions API)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=_serve)

@@ -1,0 +1,74 @@
+"""In-process benchmarks on an LLMEngine: latency (one batch, TPOT), throughput (many requests), prefill."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from ..engine.request import SamplingParams
+from .metrics import RequestTiming, summarize
+
+
+def _sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_requests(engine, prompts: list[list[int]], output_len: int) -> dict:
+    """Submit all prompts at once, step to completion, time every token (ignore_eos, fixed output length)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    timings: dict[str, RequestTiming] = {}
+    _sync(engine)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        rid = f"bench-{i}-{t0}"
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+        timings[rid] = RequestTiming(arrival=t0, prompt_len=len(p))
+    seen = {rid: 0 for rid in timings}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()  # step() returns after the sampled ids are on the host: the step is done
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            timings[out.request_id].token_times += [now] * (n - seen[out.request_id])
+            seen[out.request_id] = n
+    elapsed = time.perf_counter() - t0
+    return summarize(list(timings.values()), elapsed)
+
+
+def latency(engine, batch_size: int, input_len: int, output_len: int, iters: int = 3) -> dict:
+    """Median over iterations of one batch's end-to-end run (vLLM's `bench latency`), with TPOT."""
+    vocab = engine.model_config.vocab_size
+    run_requests(engine, random_prompts(batch_size, input_len, vocab, seed=99), min(output_len, 8))  # warm-up
+    runs = [run_requests(engine, random_prompts(batch_size, input_len, vocab, seed=i), output_len)
+            for i in range(iters)]
+    runs.sort(key=lambda r: r["duration_s"])
+    med = runs[len(runs) // 2]
+    med["latencies_s"] = [r["duration_s"] for r in runs]
+    med["decode_tok_s_per_request"] = 1000.0 / med["median_tpot_ms"] if med.get("median_tpot_ms") else None
+    return med
+
+
+def throughput(engine, num_prompts: int, input_len: int, output_len: int) -> dict:
+    vocab = engine.model_config.vocab_size
+    run_requests(engine, random_prompts(min(num_prompts, 4), input_len, vocab, seed=98), 4)  # warm-up
+    return run_requests(engine, random_prompts(num_prompts, input_len, vocab, seed=7), output_len)
+
+
+def prefill(engine, input_len: int, iters: int = 3) -> dict:
+    """Time to first token of one prompt of input_len tokens (median of iters)."""
+    vocab = engine.model_config.vocab_size
+    times = []
+    for i in range(iters + 1):
+        r = run_requests(engine, random_prompts(1, input_len, vocab, seed=50 + i), 1)
+        times.append(r["median_ttft_ms"] / 1000)
+    times = sorted(times[1:])  # the first run compiles kernels
+    med = times[len(times) // 2]
+    return {"input_len": input_len, "ttft_s": med, "prefill_tok_s": input_len / med, "ttfts_s": times}
