@@ -154,11 +154,11 @@ def stage_ours(results, device, quick=False):
     return engine
 
 
-def stage_hf(results, engine, new_tokens=16):
+def stage_hf(results, engine, new_tokens=16, preset_name="flash-next-128e"):
     """transformers on the same weights: build on meta, then point every parameter at the engine's tensor."""
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    cfg_dict = preset_config("flash-next-128e", eos_token_id=0, dtype="bfloat16")
+    cfg_dict = preset_config(preset_name, eos_token_id=0, dtype="bfloat16")
     hf_cfg = Qwen4ExpTextConfig(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures")})
     with torch.device("meta"):
         hf = Qwen4ExpForCausalLM(hf_cfg)
@@ -178,21 +178,63 @@ def stage_hf(results, engine, new_tokens=16):
             module._buffers[leaf] = src.clone()
     hf.eval()
     device = next(iter(ours.values())).device
-    ids = torch.randint(10, 200000, (1, 128), device=device)
+    ids = torch.randint(10, hf_cfg.vocab_size, (1, 128), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = {}
     with torch.inference_mode():
+        # same prompt as ours: check the two models agree before timing (greedy, first tokens)
+        out = hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        results.setdefault("hf_check", {})["hf_first_tokens"] = out[0, 128:].tolist()
         for n in (1, 1 + new_tokens):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            torch.cuda.synchronize()
+            sync()
             times[n] = time.perf_counter() - t0
+    from qwen4exp.engine.request import SamplingParams
+
+    engine.add_request("hf-check", {"prompt_token_ids": ids[0].tolist()},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False))
+    mine = []
+    while engine.has_unfinished_requests():
+        mine = [o.outputs[0].token_ids for o in engine.step()] or mine
+    results["hf_check"]["ours_first_tokens"] = mine[0]
     tok_s = new_tokens / (times[1 + new_tokens] - times[1])
     results["hf"] = {"decode_b1_tok_s": tok_s, "prefill128_plus_1_s": times[1], "new_tokens": new_tokens,
                      "transformers": __import__("transformers").__version__,
                      "experts_implementation": getattr(hf.config, "_experts_implementation", None)}
     log("hf", results["hf"])
     del hf
+
+
+def stage_profile(results, engine):
+    """Kernel time of a few eager batch-1 decode steps (where the graph's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qwen4exp.bench.offline import random_prompts
+    from qwen4exp.engine.request import SamplingParams
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    engine.add_request("prof", {"prompt_token_ids": random_prompts(1, 128, 1000)[0]},
+                       SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False))
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            engine.step()
+        torch.cuda.synchronize()
+    eager_step = (time.perf_counter() - t0) / 4
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.runner.graphs = graphs
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    results["profile"] = {"eager_step_s": eager_step, "cuda_kernels_per_step": sum(e.count for e in events) / 4,
+                          "cuda_time_per_step_ms": sum(e.device_time_total for e in events) / 4 / 1000,
+                          "table": table}
+    log(table)
 
 
 RESULTS_PATH = None
@@ -232,6 +274,8 @@ def main():
                 stage_agree(results, device)
             elif stage == "ours":
                 engine = stage_ours(results, device, args.quick)
+            elif stage == "profile":
+                stage_profile(results, engine)
             elif stage == "hf":
                 stage_hf(results, engine)
             elif stage == "report":

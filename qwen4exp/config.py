@@ -13,6 +13,12 @@ from dataclasses import dataclass, field, fields
 
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
+# Names transformers revisions and released checkpoints use for the indexed (QSA) layers.
+_INDEXED_ALIASES = {"full_attention", "qwen_sparse_attention", "hybrid_indexed", "deepseek_sparse_attention"}
+
+
+def normalise_layer_types(layer_types) -> tuple[str, ...]:
+    return tuple(INDEXED if t in _INDEXED_ALIASES else t for t in layer_types)
 
 
 class ConfigError(ValueError):
@@ -125,7 +131,7 @@ class ModelConfig:
         names.discard("torch_dtype")  # a deprecated alias on transformers configs; read as `dtype` below
         kw = {n: getattr(hf, n) for n in names if hasattr(hf, n) and getattr(hf, n) is not None}
         kw.update(
-            layer_types=tuple(hf.layer_types),
+            layer_types=normalise_layer_types(hf.layer_types),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
             mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
@@ -304,7 +310,7 @@ def _with_defaults(text: dict, hf_class):
     if ns.layer_types is None:
         interval = text.get("full_attention_interval", 4)
         ns.layer_types = [LINEAR if (i + 1) % interval else INDEXED for i in range(ns.num_hidden_layers)]
-    ns.layer_types = [INDEXED if t == "full_attention" else t for t in ns.layer_types]
+    ns.layer_types = list(normalise_layer_types(ns.layer_types))
     ns.ple_layer_ids = sorted(set(ns.ple_layer_ids or []))
     for name in ("hidden_size", "num_attention_heads"):
         value = getattr(ns, name)

@@ -35,9 +35,12 @@ def test_flat_and_multimodal_wrapper_give_the_same_config(tmp_path):
 
 
 def test_full_attention_layer_type_is_read_as_indexed(tmp_path):
-    cfg = tiny(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
-    cfg.pop("full_attention_interval")
-    assert load_model_config(write(tmp_path, cfg)).layer_types[3] == "indexed_attention"
+    for name in ("full_attention", "qwen_sparse_attention", "indexed_attention"):
+        cfg = tiny(layer_types=["linear_attention"] * 3 + [name])
+        assert load_model_config(write(tmp_path, cfg)).layer_types[3] == "indexed_attention"
+    cfg = tiny(full_attention_interval=2, ple_layer_ids=[1, 3])
+    cfg.pop("layer_types")
+    assert load_model_config(write(tmp_path, cfg)).layer_types == ("linear_attention", "indexed_attention") * 2
 
 
 def test_output_gate_falls_back_to_hidden_act_and_eos_list_uses_first(tmp_path):

@@ -2,6 +2,7 @@
 cache can be inspected) over the tiny random checkpoint, driven by the official openai client, raw HTTP and
 lm-evaluation-harness, and compared with the offline LLM on the same weights."""
 
+import asyncio
 import contextlib
 import math
 import os
@@ -300,6 +301,34 @@ def test_client_disconnect_mid_stream_aborts_the_request(live):
     poll(live.idle, 10)
     assert live.metric("qwen4exp:generation_tokens_total") - generated < 100  # stopped long before max_tokens
     assert live.metric("qwen4exp:request_success_total") == finished  # aborted, not finished
+
+
+def test_async_engine_generate_aborts_when_the_consumer_stops(live):
+    generated = live.metric("qwen4exp:generation_tokens_total")
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def close_early():
+        outputs = live.async_engine.generate("Tell me more", params, "direct-close")
+        async for out in outputs:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await outputs.aclose()
+
+    async def cancel_early():
+        async def consume():
+            async for _ in live.async_engine.generate("Tell me more", params, "direct-cancel"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(close_early())
+    asyncio.run(cancel_early())
+    poll(live.idle, 10)
+    assert live.metric("qwen4exp:generation_tokens_total") - generated < 200  # neither ran to max_tokens
 
 
 def test_engine_step_failure_fails_requests_not_the_server(live):

@@ -68,6 +68,10 @@ def preset_config(preset: str, eos_token_id: int = 0, dtype: str = "bfloat16") -
         raise ValueError(f"preset: unknown {preset!r}, choose from {sorted(PRESETS)}")
     cfg = dict(_COMMON, **PRESETS[preset], eos_token_id=eos_token_id, dtype=dtype)
     cfg.pop("tokenizer_vocab")
+    # explicit, in the released checkpoint's spelling, so every transformers revision reads the same layers
+    interval = cfg.pop("full_attention_interval")
+    cfg["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention"
+                          for i in range(cfg["num_hidden_layers"])]
     return cfg
 
 

@@ -12,10 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
-from qwen4exp.ops import attention as ref_ops  # noqa: E402
-from qwen4exp.ops.qsa_fast import qsa_block_scores_torch, qsa_select_batched  # noqa: E402
+from qwen4exp.ops import attention as ref_ops
+from qwen4exp.ops.qsa_fast import qsa_block_scores_torch, qsa_select_batched
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = 4

@@ -11,12 +11,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 
-from qwen4exp.ops import attention as ref_ops  # noqa: E402
-from qwen4exp.ops.triton_attention import (  # noqa: E402
+from qwen4exp.ops import attention as ref_ops
+from qwen4exp.ops.triton_attention import (
     default_num_splits,
     sparse_paged_attention,
     sparse_paged_attention_ref,

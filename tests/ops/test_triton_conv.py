@@ -1,17 +1,18 @@
 """Triton causal conv1d update (interpreted on CPU) against its torch reference and the prefill reference."""
 
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
 
 import pytest
 
 pytest.importorskip("triton")
 
-import torch  # noqa: E402
+import torch
+from conftest import on_device
 
-from qwen4exp.ops.conv import causal_conv1d_ref as causal_conv1d  # noqa: E402
-from qwen4exp.ops.triton_conv import causal_conv1d_update, causal_conv1d_update_ref  # noqa: E402
+from qwen4exp.ops.conv import causal_conv1d_ref as causal_conv1d
+from qwen4exp.ops.triton_conv import causal_conv1d_update, causal_conv1d_update_ref
+
+causal_conv1d_update = on_device(causal_conv1d_update)
 
 NUM_SLOTS = 9
 

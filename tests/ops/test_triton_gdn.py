@@ -1,17 +1,18 @@
 """Triton fused recurrent gated delta rule (interpreted on CPU) against its torch reference and the chunked form."""
 
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
 
 import pytest
 
 pytest.importorskip("triton")
 
-import torch  # noqa: E402
+import torch
+from conftest import on_device
 
-from qwen4exp.ops.gated_delta import chunk_gated_delta_rule_ref  # noqa: E402
-from qwen4exp.ops.triton_gdn import fused_recurrent_gated_delta_rule, fused_recurrent_gated_delta_rule_ref  # noqa: E402
+from qwen4exp.ops.gated_delta import chunk_gated_delta_rule_ref
+from qwen4exp.ops.triton_gdn import fused_recurrent_gated_delta_rule, fused_recurrent_gated_delta_rule_ref
+
+fused_recurrent_gated_delta_rule = on_device(fused_recurrent_gated_delta_rule)
 
 NUM_SLOTS = 9
 

@@ -3,18 +3,22 @@
 Kernels run under the Triton interpreter; sizes are tiny so the module stays well under a minute on 2 cores.
 """
 
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from qwen4exp.ops.moe import moe_experts_ref as moe_experts  # noqa: E402
-from qwen4exp.ops.moe_grouped import grouped_mm_available, grouped_moe  # noqa: E402
-from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config, moe_align  # noqa: E402
+from conftest import on_device
+
+from qwen4exp.ops.moe import moe_experts_ref as moe_experts
+from qwen4exp.ops.moe_grouped import grouped_mm_available, grouped_moe
+from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config, moe_align
+
+fused_moe = on_device(fused_moe)
+moe_align = on_device(moe_align)
+grouped_moe = on_device(grouped_moe)
 
 
 def _problem(n, h, i, e, k, dtype, seed=0, experts=None, ids_dtype=torch.int64):
