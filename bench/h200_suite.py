@@ -93,13 +93,20 @@ def stage_agree(results, device):
                                        cuda_graph_sizes=[1, 2, 4]),
                     dtype="bfloat16", device=device, model_config=cfg, tokenizer=None,
                     weights=((n, t.detach()) for n, t in cpu.model.state_dict().items()))
+    # the bf16 reference on the CPU: how close bf16 arithmetic itself gets to fp32 on this random model
+    cpu16 = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=300, page_size=16, max_num_seqs=8),
+                      dtype="bfloat16", device="cpu", model_config=cfg, tokenizer=None,
+                      weights=((n, t.detach()) for n, t in cpu.model.state_dict().items()))
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(10, cfg.vocab_size, (512,), generator=gen).tolist() for _ in range(3)]
-    same = total = 0
+    same = total = same16 = same_gpu16 = 0
     nonfinite = 0
     for seq in seqs:
         ref = cpu.runner.execute([RequestChunk(seq, 0, [], cpu.cache.pages.allocate(32), cpu.cache.slots.allocate(1)[0],
                                                0)])
+        ref16 = cpu16.runner.execute([RequestChunk(seq, 0, [], cpu16.cache.pages.allocate(32),
+                                                   cpu16.cache.slots.allocate(1)[0], 0)]).float()
+        same16 += int((ref16.argmax(-1) == ref.argmax(-1)).sum())
         pages, slot = gpu.cache.pages.allocate(32), gpu.cache.slots.allocate(1)[0]
         rows = [gpu.runner.execute([RequestChunk(seq[:256], 0, [], pages, slot, 0)])]
         for p in range(256, len(seq)):  # one token per step: the CUDA-graph decode path
@@ -107,11 +114,16 @@ def stage_agree(results, device):
         out = torch.cat(rows).float().cpu()
         nonfinite += int((~torch.isfinite(out)).sum())
         same += int((out.argmax(-1) == ref.argmax(-1)).sum())
+        same_gpu16 += int((out.argmax(-1) == ref16.argmax(-1)).sum())
         total += len(seq)
+    lp = torch.log_softmax(ref, -1).topk(2, -1).values
     results["agree"] = {"preset": "small", "positions": total, "top1_agreement": same / total,
+                        "cpu_bf16_reference_top1_agreement": same16 / total,
+                        "gpu_vs_cpu_bf16_top1_agreement": same_gpu16 / total,
+                        "last_seq_median_top1_prob": float(lp[:, 0].exp().median()),
                         "nonfinite_logits": nonfinite, "graph_decode_positions": 3 * 256}
     log("agree", results["agree"])
-    del cpu, gpu
+    del cpu, gpu, cpu16
 
 
 def stage_ours(results, device, quick=False):

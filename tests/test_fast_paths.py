@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 class EagerBufferRunner(CUDAGraphRunner):
     """The graph runner's buffer filling and padding, executed eagerly (no capture: CPU)."""
 
-    def _run(self, bucket):
-        return self.model.compute_logits(self.model(self._meta(bucket), self.cache.tensors))
+    def _run(self, bucket, max_len):
+        self.variants_used.add(max_len)
+        return self.model.compute_logits(self.model(self._meta(bucket, max_len), self.cache.tensors))
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +37,24 @@ def test_fast_dispatch_and_graph_buffers_match_reference(model_pair, monkeypatch
     gen = torch.Generator().manual_seed(6)
     prompts = [random_prompt(gen, n, hf.config.vocab_size, eos_every=5) for n in (1, 9, 30, 14)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=0) for m in (10, 5, 10, 8)]
-    ref_ids, ref_lps = generate(our_llm(hf, max_num_batched_tokens=16), prompts, params)
+    ref_llm = our_llm(hf, max_num_batched_tokens=16)
+    ref_ids, ref_lps = generate(ref_llm, prompts, params)
+    short = [prompts[0] + [7]]  # alone, its context stays under budget + C - 1: the dense-QSA graphs
+    short_ref, _ = generate(ref_llm, short, params[:1])
 
     monkeypatch.setattr(ops, "fast_path", lambda x: True)
     llm = our_llm(hf, max_num_batched_tokens=16)
     runner = llm.llm_engine.runner
     runner.graphs = EagerBufferRunner(runner.model, runner.cache, 512, 4, "cpu", buckets=[1, 2, 4])
+    runner.graphs.variants_used = set()
     calls = []
     run = runner.graphs.execute
     runner.graphs.execute = lambda chunks: calls.append(len(chunks)) or run(chunks)
     ids, lps = generate(llm, prompts, params)
+    assert generate(llm, short, params[:1])[0] == short_ref
     assert calls, "decode steps must go through the graph runner"
     assert 3 in calls, "a padded bucket (3 requests in the 4-bucket) must be exercised"
+    assert runner.graphs.variants_used == {512, 11}, "both the short (dense QSA) and the general graphs must run"
     assert ids == ref_ids
     flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
     torch.testing.assert_close(flat(lps), flat(ref_lps), atol=1e-4, rtol=0)

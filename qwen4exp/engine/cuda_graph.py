@@ -51,10 +51,16 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self.arange = torch.arange(B, **z)
         self.zeros = torch.zeros(B, **z)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # QSA is exactly dense while every context fits budget + C - 1 tokens: a second set of graphs skips the
+        # block selection for such steps (max_seq_len is what the model reads to decide, fixed per graph).
+        c = self.config
+        self.short_len = c.indexer_budget + c.indexer_compress_ratio - 1 if c.qsa else None
+        self.variants = [max_model_len] + ([self.short_len] if self.short_len and self.short_len < max_model_len
+                                           else [])
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
-    def _meta(self, n: int) -> StepMetadata:
+    def _meta(self, n: int, max_seq_len: int) -> StepMetadata:
         b = {k: v[:n] for k, v in self.buf.items()}
         return StepMetadata(
             input_ids=b["input_ids"], positions=b["positions"], query_start_loc=self.query_start_loc[: n + 1],
@@ -63,15 +69,15 @@ class CUDAGraphRunner:
             new_block_token_slots=b["new_block_token_slots"], new_block_slots=b["new_block_slots"],
             new_block_positions=b["new_block_positions"], token_req=self.arange[:n], token_pos=b["positions"],
             token_local=self.zeros[:n], has_initial=b["has_initial"], query_start_loc_cpu=list(range(n + 1)),
-            context_lens_cpu=[0] * n, state_slots_cpu=[0] * n, num_decode_reqs=n, max_seq_len=self.max_model_len,
+            context_lens_cpu=[0] * n, state_slots_cpu=[0] * n, num_decode_reqs=n, max_seq_len=max_seq_len,
         )
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         tensors = self.cache.tensors
-        for n in sorted(self.buckets, reverse=True):  # largest first so smaller graphs reuse its pool
-            meta = self._meta(n)
+        for n, max_len in [(n, v) for n in sorted(self.buckets, reverse=True) for v in self.variants]:
+            meta = self._meta(n, max_len)  # largest first so smaller graphs reuse its pool
             for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
                 self.model.compute_logits(self.model(meta, tensors))
             torch.cuda.synchronize(self.device)
@@ -80,18 +86,18 @@ class CUDAGraphRunner:
                 logits = self.model.compute_logits(self.model(meta, tensors))
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[n] = (graph, logits)
+            self.graphs[n, max_len] = (graph, logits)
         torch.cuda.synchronize(self.device)
         self._clear_null_state()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.buckets,
-                    time.perf_counter() - t0)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, context bounds %s) in %.1f s", len(self.graphs),
+                    self.buckets, self.variants, time.perf_counter() - t0)
 
     def _clear_null_state(self) -> None:
         for t in self.cache.tensors.state_tensors():
             t[0].zero_()
 
-    def _run(self, bucket: int) -> torch.Tensor:
-        graph, logits = self.graphs[bucket]
+    def _run(self, bucket: int, max_len: int) -> torch.Tensor:
+        graph, logits = self.graphs[bucket, max_len]
         graph.replay()
         return logits
 
@@ -138,7 +144,9 @@ class CUDAGraphRunner:
             self.buf[k][:bucket].copy_(torch.tensor(v, dtype=self.buf[k].dtype).view_as(self.buf[k][:bucket]),
                                        non_blocking=True)
         self.buf["block_tables"][:bucket].copy_(table, non_blocking=True)
-        logits = self._run(bucket)
+        longest = max(ch.context_len + 1 for ch in chunks)
+        max_len = self.short_len if self.short_len in self.variants and longest <= self.short_len else self.max_model_len
+        logits = self._run(bucket, max_len)
         wanted = [r for r, ch in enumerate(chunks) if ch.logits_from == 0]
         if len(wanted) == n:
             return logits[:n].clone()

@@ -28,17 +28,20 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta: StepMetadata, cache: AttentionCache, rotary) -> torch.Tensor:
-        """Returns the selected logical token indices [T, budget + C - 1] (-1 padded)."""
-        q, raw_key = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+    def forward(self, qk, cos, sin, meta: StepMetadata, cache: AttentionCache, rotary) -> torch.Tensor | None:
+        """qk: index_qk_proj(x) [T, (Hi+1)*Di]. Returns the selected logical token indices [T, budget + C - 1]
+        (-1 padded), or None when every context is short enough for all of it to be selected (dense)."""
+        q, raw_key = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
         q = ops.rotary.apply_rope(self.q_layernorm(q.reshape(-1, self.n_heads, self.head_dim)), cos, sin)
         ops.attention.write_slots(cache.index_key, raw_key, meta.slot_mapping)
         if meta.new_block_slots.numel():
-            flat = cache.index_key.view(-1, self.head_dim)
-            pooled = flat[meta.new_block_token_slots].float().mean(dim=1).to(flat.dtype)
-            bcos, bsin = rotary(meta.new_block_positions, x.dtype)
-            block_key = ops.rotary.apply_rope(self.k_layernorm(pooled), bcos, bsin)
+            bcos, bsin = rotary(meta.new_block_positions, qk.dtype)
+            block_key = ops.attention.pool_block_keys(
+                cache.index_key.view(-1, self.head_dim), meta.new_block_token_slots, self.k_layernorm.weight,
+                self.k_layernorm.eps, bcos, bsin)
             ops.attention.write_slots(cache.block_key, block_key, meta.new_block_slots)
+        if meta.max_seq_len <= self.budget + self.compress_ratio - 1:
+            return None  # at most budget/C complete blocks are visible: everything is selected
         return ops.attention.qsa_select(q, cache.block_key, meta, self.budget, self.compress_ratio)
 
 
@@ -58,14 +61,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: StepMetadata, cache: AttentionCache, rotary) -> torch.Tensor:
         T = x.shape[0]
+        linears = [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
+        q, k, v, *index_qk = ops.linear.merged_linear(x, [m.weight for m in linears], [m.bias for m in linears])
         # q_proj packs [q_h | gate_h] per head
-        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = ops.rotary.apply_rope(self.q_norm(q), cos, sin)
-        k = ops.rotary.apply_rope(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k = ops.rotary.apply_rope(self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         ops.attention.write_slots(cache.key, k, meta.slot_mapping)
         ops.attention.write_slots(cache.value, v, meta.slot_mapping)
-        selected = self.indexer(x, cos, sin, meta, cache, rotary) if self.indexer is not None else None
+        selected = self.indexer(index_qk[0], cos, sin, meta, cache, rotary) if self.indexer is not None else None
         out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)

@@ -27,10 +27,12 @@ class GatedResidual(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams: [T, hc*H] -> (block input [T, H], injection weights [T, hc] or None for the final mixer)."""
-        inject = self.block_inject_weight.weight if self.block_inject_weight is not None else None
+        weights = [self.input_mix_weight_down.weight]
+        if self.block_inject_weight is not None:
+            weights.append(self.block_inject_weight.weight)
         return ops.hyper_connection.hc_mix(
-            streams, self.hc_norm.weight, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight,
-            inject, self.hc_norm.eps, self.hc_count,
+            streams, self.hc_norm.weight, ops.linear.merged_weight(weights), self.input_mix_weight_up.weight,
+            self.hc_norm.eps, self.hc_count, self.input_mix_weight_down.weight.shape[0],
         )
 
 

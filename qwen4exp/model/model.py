@@ -66,6 +66,28 @@ class TextModel(nn.Module):
         return self.hyper_connection_mixer(streams)[0]
 
 
+def projection_groups(model: "Qwen4ExpForCausalLM") -> list[list[tuple[nn.Module, str]]]:
+    """Projections that read the same input, in the order their outputs are split (see ops/linear.py)."""
+    groups = []
+    for layer in model.model.layers:
+        if layer.layer_type == LINEAR:
+            a = layer.linear_attn
+            groups.append([(a.in_proj_qkv, "weight"), (a.in_proj_z, "weight"), (a.in_proj_b, "weight"),
+                           (a.in_proj_a, "weight")])
+        else:
+            a = layer.self_attn
+            linears = [a.q_proj, a.k_proj, a.v_proj] + ([a.indexer.index_qk_proj] if a.indexer else [])
+            groups.append([(m, "weight") for m in linears])
+        mlp = layer.mlp
+        groups.append([(mlp.gate, "weight"), (mlp.shared_expert_gate, "weight"),
+                       (mlp.shared_expert.gate_proj, "weight"), (mlp.shared_expert.up_proj, "weight")])
+        for hc in (layer.attn_hyper_connection, layer.mlp_hyper_connection):
+            groups.append([(hc.input_mix_weight_down, "weight"), (hc.block_inject_weight, "weight")])
+        if layer.ple is not None:
+            groups.append([(layer.ple.key_proj, "weight"), (layer.ple.value_proj, "weight")])
+    return groups
+
+
 class Qwen4ExpForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

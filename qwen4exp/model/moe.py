@@ -1,7 +1,6 @@
 """Sparse MoE on every layer: softmax router, top-k (renormalised), SwiGLU experts, sigmoid-gated shared expert."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
@@ -9,26 +8,23 @@ from ..config import ModelConfig
 
 
 class MLP(nn.Module):
+    """SwiGLU weights of the shared expert (applied in SparseMoeBlock, fused with the router's GEMM)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class Router(nn.Module):
+    """Router weights [E, H]; the softmax top-k is ops.moe.route."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, H] -> (weights [N, k] in x's dtype, expert ids [N, k])."""
-        return ops.moe.route(x, self.weight, self.top_k, self.norm_topk_prob)
 
 
 class Experts(nn.Module):
@@ -51,6 +47,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
+        sh = self.shared_expert
+        router_logits, shared_gate, gate, up = ops.linear.merged_linear(
+            x, [self.gate.weight, self.shared_expert_gate.weight, sh.gate_proj.weight, sh.up_proj.weight])
+        weights, ids = ops.moe.route(router_logits, self.gate.top_k, self.gate.norm_topk_prob)
         routed = self.experts(x, weights, ids)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return ops.moe.add_shared_expert(routed, shared_gate, sh.down_proj(ops.moe.silu_mul(gate, up)))

@@ -102,8 +102,8 @@ class PLELayer(nn.Module):
         self, streams: torch.Tensor, shifted: torch.Tensor, meta: StepMetadata, conv_state: torch.Tensor
     ) -> torch.Tensor:
         emb = self.ple_embedding(shifted).to(streams.dtype)
-        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc_count, self.hidden_size))
-        value = self.value_proj(emb)
+        key, value = ops.linear.merged_linear(emb, [self.key_proj.weight, self.value_proj.weight])
+        key = self.norm_key(key).unflatten(-1, (self.hc_count, self.hidden_size))
         query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden_size)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()

@@ -12,6 +12,18 @@ import math
 
 import torch
 
+from . import compiled_on_gpu
+from .norm import rms_norm
+from .rotary import apply_rope
+
+
+@compiled_on_gpu
+def pool_block_keys(flat_keys, token_slots, norm_weight, eps: float, cos, sin):
+    """Compressed key of each block: RMSNorm(mean of its C raw keys (fp32 mean, rounded)), rotated at the block's
+    first position. flat_keys [rows, Di]; token_slots [NB, C]; cos/sin [NB, R]. Returns [NB, Di]."""
+    pooled = flat_keys[token_slots].float().mean(dim=1).to(flat_keys.dtype)
+    return apply_rope.eager(rms_norm.eager(pooled, norm_weight, eps), cos, sin)
+
 
 def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """cache: [P, page, ...]; values: [N, ...]; slot_mapping: [N] flat row ids (page * page_size + row)."""

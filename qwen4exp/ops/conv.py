@@ -49,6 +49,8 @@ def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: st
     from .triton_conv import causal_conv1d_update
 
     d = meta.num_decode_reqs
+    if d == meta.num_reqs:
+        return causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation, activation)
     out = torch.empty_like(x)
     if d:
         out[:d] = causal_conv1d_update(x[:d], weight, conv_state, meta.state_slots[:d], meta.has_initial[:d],

@@ -127,6 +127,8 @@ def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
     from .triton_gdn import fused_recurrent_gated_delta_rule
 
     d, r = meta.num_decode_reqs, meta.num_reqs
+    if d == r:
+        return fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, meta.state_slots, meta.has_initial)
     out = torch.empty_like(v)
     if d:
         out[:d] = fused_recurrent_gated_delta_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], ssm_state,

@@ -8,19 +8,21 @@ from .norm import rms_norm
 
 
 @compiled_on_gpu
-def hc_mix(streams, norm_weight, w_down, w_up, w_inject, eps: float, hc: int):
-    """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc] or None when w_inject is None).
+def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int):
+    """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc] or None).
 
     normed = per-stream RMSNorm(streams); gate = sigmoid(W_up silu(W_down normed / hc));
     input = mean over streams of gate * normed; inject = 2 sigmoid(W_inject normed / hc).
+    w_down_inject holds W_down's `rank` rows, then W_inject's hc rows when the block injects (one GEMM for both).
     """
     hidden = streams.shape[-1] // hc
     normed = rms_norm.eager(streams, norm_weight, eps, hidden)
-    gate = torch.sigmoid(F.linear(F.silu(F.linear(normed, w_down) / hc), w_up))
+    down_inject = F.linear(normed, w_down_inject)
+    gate = torch.sigmoid(F.linear(F.silu(down_inject[:, :rank] / hc), w_up))
     mixed = (gate * normed).unflatten(-1, (hc, hidden)).mean(dim=-2)
-    if w_inject is None:
+    if down_inject.shape[-1] == rank:
         return mixed, None
-    return mixed, 2 * torch.sigmoid(F.linear(normed, w_inject) / hc)
+    return mixed, 2 * torch.sigmoid(down_inject[:, rank:] / hc)
 
 
 @compiled_on_gpu

@@ -7,14 +7,24 @@ from . import compiled_on_gpu
 
 
 @compiled_on_gpu
-def route(x, router_weight, top_k: int, renormalize: bool):
-    """Softmax router: x [N, H] -> (weights [N, k] in x's dtype, expert ids [N, k]); softmax in fp32."""
-    logits = F.linear(x, router_weight)
+def route(logits, top_k: int, renormalize: bool):
+    """Softmax router: logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k]); softmax in fp32."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids
+
+
+@compiled_on_gpu
+def silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
+@compiled_on_gpu
+def add_shared_expert(routed, shared_gate_logit, shared_out):
+    """routed + sigmoid(gate) * shared, the shared expert's contribution to the MoE output."""
+    return routed + torch.sigmoid(shared_gate_logit) * shared_out
 
 
 def moe_experts_ref(
@@ -50,6 +60,8 @@ def moe_experts(x, gate_up, down, topk_ids, topk_weights) -> torch.Tensor:
 
         if grouped_mm_available(x):
             return grouped_moe(x, gate_up, down, topk_ids, topk_weights)
-    from .triton_moe import fused_moe
+    from .triton_moe import PAIRWISE_MAX_PAIRS, fused_moe, pairwise_moe
 
+    if topk_ids.numel() <= PAIRWISE_MAX_PAIRS:
+        return pairwise_moe(x, gate_up, down, topk_ids, topk_weights)
     return fused_moe(x, gate_up, down, topk_ids, topk_weights)

@@ -22,6 +22,8 @@ import torch
 
 from ..config import ModelConfig
 from ..model import Qwen4ExpForCausalLM
+from ..model.model import projection_groups
+from ..ops.linear import merge_rows_
 from .init import fill_
 from .safetensors_io import checkpoint_files, iterate_files, read_shapes
 
@@ -53,6 +55,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device) -> Qwen4ExpForC
             module._buffers[name] = b.to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for group in projection_groups(model):
+        merge_rows_(group)
     return model.eval()
 
 

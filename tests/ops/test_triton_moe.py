@@ -14,9 +14,10 @@ from conftest import on_device
 
 from qwen4exp.ops.moe import moe_experts_ref as moe_experts
 from qwen4exp.ops.moe_grouped import grouped_mm_available, grouped_moe
-from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config, moe_align
+from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config, moe_align, pairwise_moe
 
 fused_moe = on_device(fused_moe)
+pairwise_moe = on_device(pairwise_moe)
 moe_align = on_device(moe_align)
 grouped_moe = on_device(grouped_moe)
 
@@ -148,3 +149,17 @@ def test_grouped_moe(dtype, n, experts):
     else:
         ref = moe_experts(x.float(), gate_up.float(), down.float(), ids, weights.float())
         assert _rel_err(out, ref) < 3e-2
+
+
+@pytest.mark.parametrize("n, k, e", [(1, 2, 8), (3, 3, 16), (8, 2, 4)])
+def test_pairwise_moe_matches_reference(n, k, e):
+    """The small-batch path (one program per token-expert pair, no sort) against the reference."""
+    g = torch.Generator().manual_seed(n * 100 + k)
+    h, i = 64, 48
+    x = torch.randn(n, h, generator=g)
+    gate_up = torch.randn(e, 2 * i, h, generator=g) / 8
+    down = torch.randn(e, h, i, generator=g) / 7
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    weights = torch.softmax(torch.randn(n, k, generator=g), -1)
+    out = pairwise_moe(x, gate_up, down, ids, weights)
+    assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 1e-4

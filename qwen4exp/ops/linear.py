@@ -1,0 +1,47 @@
+"""Several projections of one input as a single GEMM.
+
+`build_model` lays the weights of projections that read the same input (e.g. GDN's in_proj_qkv/z/b/a) out as
+adjacent rows of one buffer, each parameter a view keeping its checkpoint name. Reading them as one [sum(out), in]
+matrix turns several small GEMMs into one larger, better-fed one, with no extra copy of the weights.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def merged_weight(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The weights as one matrix: a view when they are adjacent rows of one storage, else a concatenated copy."""
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+    rows = first.shape[0]
+    adjacent = first.is_contiguous()
+    for prev, w in zip(weights, weights[1:]):
+        adjacent = adjacent and w.is_contiguous() and w.dtype == first.dtype and w.shape[1:] == first.shape[1:] and (
+            w.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size())
+        rows += w.shape[0]
+    if adjacent and first.untyped_storage().nbytes() >= first.storage_offset() * first.element_size() + rows * first[0].numel() * first.element_size():
+        return first.as_strided((rows, *first.shape[1:]), first.stride())
+    return torch.cat(weights)
+
+
+def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list | None = None) -> list[torch.Tensor]:
+    """[F.linear(x, w) for w in weights], computed as one GEMM."""
+    bias = None
+    if biases is not None and any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else x.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+    y = F.linear(x, merged_weight(weights), bias)
+    return list(y.split([w.shape[0] for w in weights], dim=-1))
+
+
+def merge_rows_(module_weights: list[tuple[torch.nn.Module, str]]) -> None:
+    """Re-point each (module, parameter name) at adjacent rows of one new buffer (values are not preserved)."""
+    params = [getattr(m, n) for m, n in module_weights]
+    if len({(p.dtype, p.device, p.shape[1:]) for p in params}) != 1:
+        return
+    buf = torch.empty((sum(p.shape[0] for p in params), *params[0].shape[1:]), dtype=params[0].dtype,
+                      device=params[0].device)
+    row = 0
+    for (m, n), p in zip(module_weights, params):
+        setattr(m, n, torch.nn.Parameter(buf[row: row + p.shape[0]], requires_grad=False))
+        row += p.shape[0]
