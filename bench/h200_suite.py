@@ -89,7 +89,7 @@ def stage_agree(results, device):
     torch.manual_seed(0)
     cpu = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=300, page_size=16, max_num_seqs=8),
                     dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
-    gpu = LLMEngine(None, EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, gpu_memory_utilization=0.3,
+    gpu = LLMEngine(None, EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, num_pages=200,
                                        cuda_graph_sizes=[1, 2, 4]),
                     dtype="bfloat16", device=device, model_config=cfg, tokenizer=None,
                     weights=((n, t.detach()) for n, t in cpu.model.state_dict().items()))
@@ -211,6 +211,20 @@ def stage_hf(results, engine, new_tokens=16, preset_name="flash-next-128e"):
     while engine.has_unfinished_requests():
         mine = [o.outputs[0].token_ids for o in engine.step()] or mine
     results["hf_check"]["ours_first_tokens"] = mine[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(ids).logits[0].float(), -1)
+    from qwen4exp.engine.runner import RequestChunk
+
+    cache = engine.cache
+    pages, slot = cache.pages.allocate(cache.pages_needed(128)), cache.slots.allocate(1)[0]
+    ours_lp = torch.log_softmax(engine.runner.execute([RequestChunk(ids[0].tolist(), 0, [], pages, slot, 0)]), -1)
+    cache.pages.free(pages)
+    cache.slots.free([slot])
+    results["hf_check"] |= {
+        "prompt_top1_agreement": float((ref.argmax(-1) == ours_lp.argmax(-1)).float().mean()),
+        "prompt_logprob_max_abs_diff": float((ref - ours_lp).abs().max()),
+        "prompt_logprob_mean_abs_diff": float((ref - ours_lp).abs().mean()),
+        "hf_nonfinite": int((~torch.isfinite(ref)).sum())}
     tok_s = new_tokens / (times[1 + new_tokens] - times[1])
     results["hf"] = {"decode_b1_tok_s": tok_s, "prefill128_plus_1_s": times[1], "new_tokens": new_tokens,
                      "transformers": __import__("transformers").__version__,
@@ -219,16 +233,17 @@ def stage_hf(results, engine, new_tokens=16, preset_name="flash-next-128e"):
     del hf
 
 
-def stage_profile(results, engine):
-    """Kernel time of a few eager batch-1 decode steps (where the graph's time goes)."""
+def stage_profile(results, engine, batch=1):
+    """Kernel time of a few eager decode steps at `batch` (where the graph's time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     from qwen4exp.bench.offline import random_prompts
     from qwen4exp.engine.request import SamplingParams
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
-    engine.add_request("prof", {"prompt_token_ids": random_prompts(1, 128, 1000)[0]},
-                       SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False))
+    for i, p in enumerate(random_prompts(batch, 128, 1000)):
+        engine.add_request(f"prof{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False))
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
@@ -243,7 +258,7 @@ def stage_profile(results, engine):
     engine.runner.graphs = graphs
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    results["profile"] = {"eager_step_s": eager_step, "cuda_kernels_per_step": sum(e.count for e in events) / 4,
+    results[f"profile_b{batch}"] = {"eager_step_s": eager_step, "cuda_kernels_per_step": sum(e.count for e in events) / 4,
                           "cuda_time_per_step_ms": sum(e.device_time_total for e in events) / 4 / 1000,
                           "table": table}
     log(table)
@@ -287,10 +302,14 @@ def main():
             elif stage == "ours":
                 engine = stage_ours(results, device, args.quick)
             elif stage == "profile":
-                stage_profile(results, engine)
+                stage_profile(results, engine, 1)
+                stage_profile(results, engine, 64)
             elif stage == "hf":
                 stage_hf(results, engine)
             elif stage == "report":
+                if "ours" in results and "hf" in results:
+                    results["ratio_decode_b1_vs_hf"] = (results["ours"]["decode_b1_tok_s"]
+                                                        / results["hf"]["decode_b1_tok_s"])
                 stage_report(results, args.out)
         except Exception:
             results.setdefault("errors", {})[stage] = traceback.format_exc()

@@ -277,8 +277,9 @@ def _pair_gate_up_kernel(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < inter
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # 2-D accumulators reduced once at the end: a cross-thread reduction per K step would serialise the loads
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_base = w_ptr + expert * stride_we
     for k0 in range(0, hidden, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -287,9 +288,10 @@ def _pair_gate_up_kernel(
         m = row_ok[:, None] & col_ok[None, :]
         wg = tl.load(w_base + rows[:, None] * stride_wr + cols[None, :], mask=m, other=0.0).to(tl.float32)
         wu = tl.load(w_base + (rows[:, None] + inter) * stride_wr + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_g += tl.sum(wg * x[None, :], axis=1)
-        acc_u += tl.sum(wu * x[None, :], axis=1)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
+        acc_g += wg * x[None, :]
+        acc_u += wu * x[None, :]
+    g = tl.sum(acc_g, axis=1)
+    h = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
     tl.store(act_ptr + pair * stride_an + rows, h.to(act_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -304,7 +306,7 @@ def _pair_down_kernel(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < hidden
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_base = w_ptr + expert * stride_we
     for k0 in range(0, inter, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -312,9 +314,9 @@ def _pair_down_kernel(
         a = tl.load(act_ptr + pair * stride_an + cols, mask=col_ok, other=0.0).to(tl.float32)
         w = tl.load(w_base + rows[:, None] * stride_wr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
-    acc = acc * tl.load(wts_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair * stride_on + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+        acc += w * a[None, :]
+    out = tl.sum(acc, axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * stride_on + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 # Up to this many (token, expert) pairs, one GEMV-style program per pair beats sorting the pairs by expert:
@@ -322,7 +324,7 @@ def _pair_down_kernel(
 PAIRWISE_MAX_PAIRS = 96
 
 
-def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, block_n: int = 32, block_k: int = 128) -> torch.Tensor:
+def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, block_n: int = 16, block_k: int = 256) -> torch.Tensor:
     """Same contract as fused_moe, for small batches: no sorting, three launches."""
     num_tokens, hidden = x.shape
     inter = down.shape[2]
