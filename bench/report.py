@@ -34,7 +34,20 @@ def write_report(results: dict, out_dir: str) -> str:
               f"| prefill 32k time / 8k time | {_f(p32['ttft_s'] / p8['ttft_s'] if p32 and p8 else None, '{:.2f}')} | <= 5 |",
               f"| GPU bf16 vs CPU fp32 top-1 agreement (small, teacher forcing) | "
               f"{_f(100 * agree['top1_agreement'] if agree else None, '{:.2f}')}% | >= 99% |",
+              f"| ... the CPU bf16 reference vs CPU fp32, same positions | "
+              f"{_f(100 * agree['cpu_bf16_reference_top1_agreement'] if agree else None, '{:.2f}')}% | (bf16 floor) |",
+              f"| ... GPU bf16 vs CPU bf16 reference | "
+              f"{_f(100 * agree['gpu_vs_cpu_bf16_top1_agreement'] if agree else None, '{:.2f}')}% | |",
               f"| non-finite logits (agreement run) | {agree.get('nonfinite_logits', 'n/a')} | 0 |", ""]
+    check = results.get("hf_check", {})
+    if check:
+        lines += ["## Same weights, same prompt: transformers vs qwen4exp (bf16, GPU)", "",
+                  f"- prompt (128 tokens) top-1 agreement {_f(100 * check.get('prompt_top1_agreement', 0), '{:.1f}')}%, "
+                  f"max |logprob diff| {_f(check.get('prompt_logprob_max_abs_diff'), '{:.3f}')}, mean "
+                  f"{_f(check.get('prompt_logprob_mean_abs_diff'), '{:.4f}')}, non-finite in transformers "
+                  f"{check.get('hf_nonfinite', 'n/a')}",
+                  f"- first greedy tokens: transformers {check.get('hf_first_tokens')}, qwen4exp "
+                  f"{check.get('ours_first_tokens')}", ""]
     lines += ["## Batch-1 decode", "",
               f"- median TPOT {_f(b1.get('median_tpot_ms'), '{:.2f}')} ms, p99 ITL {_f(b1.get('p99_itl_ms'), '{:.2f}')} ms, "
               f"TTFT (128-token prompt) {_f(b1.get('median_ttft_ms'), '{:.1f}')} ms",
