@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_gpu_fast_paths_and_graphs_match_transformers():
     hf = hf_model(hf_config(ple_layer_ids=[1, 2], indexer_budget=16, linear_key_head_dim=16,
-                            linear_value_head_dim=16, head_dim=32, indexer_head_dim=16), seed=7)
+                            linear_value_head_dim=16, head_dim=32, indexer_head_dim=16,
+                            indexer_n_heads=8), seed=7)
     llm = our_llm(hf, device="cuda", max_num_seqs=4, max_num_batched_tokens=64)
     assert llm.llm_engine.runner.graphs is not None
     gen = torch.Generator().manual_seed(9)
