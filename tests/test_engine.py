@@ -127,3 +127,24 @@ def test_tokens_equal_at_dtype_float32_and_reference_ops(tiny_dir):
     a = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     b = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].text == b.outputs[0].text
+
+
+def test_bad_values_do_not_break_a_step(tiny_dir):
+    """Stop ids past the vocabulary and a top_k beyond it are harmless; outputs are snapshots."""
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=64, num_pages=32, page_size=8)
+    out = llm.generate([{"prompt_token_ids": [5, 6]}],
+                       SamplingParams(min_tokens=2, max_tokens=4, stop_token_ids=[10**6], top_k=2**40, temperature=1.0,
+                                      seed=0, logprobs=1), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    engine = llm.llm_engine
+    engine.add_request("snap", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=5, logprobs=1))
+    first = None
+    while first is None:
+        outs = engine.step()
+        first = outs[0] if outs else None
+    n = len(first.outputs[0].token_ids)
+    engine.step()
+    assert len(first.outputs[0].logprobs) == n == len(first.outputs[0].token_ids)
+    engine.abort_request("snap")
+    assert engine.cache.all_free()
+    assert engine.metrics.running._value.get() == 0

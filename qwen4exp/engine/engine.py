@@ -143,6 +143,7 @@ class LLMEngine:
                 self.scheduler.finish(req)
                 req.finish_reason = "abort"
             self._forget(req)
+        self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -293,13 +294,15 @@ class LLMEngine:
             outputs.append(CompletionOutput(
                 index=req.index, text=text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                logprobs=req.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             ))
         finished = all(r.finished for r in parent.children)
         first = parent.children[0]
         out = RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs, outputs=outputs, finished=finished,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            outputs=outputs, finished=finished,
             metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                      "num_preemptions": sum(r.num_preemptions for r in parent.children)},
         )

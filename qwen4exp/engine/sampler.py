@@ -33,8 +33,9 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: lis
             ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
             vals = torch.tensor([p.logit_bias[t] for t in ids.tolist()], dtype=logits.dtype)
             logits[i, ids.to(logits.device)] += vals.to(logits.device)
-        if len(req.output_token_ids) < p.min_tokens and stop_ids[i]:
-            logits[i, torch.tensor(stop_ids[i], device=logits.device)] = float("-inf")
+        banned = [t for t in stop_ids[i] if t < vocab]  # ids past the vocabulary can never be sampled anyway
+        if len(req.output_token_ids) < p.min_tokens and banned:
+            logits[i, torch.tensor(banned, device=logits.device)] = float("-inf")
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             seen[torch.tensor(req.prompt_token_ids + req.output_token_ids, dtype=torch.long, device=logits.device)] = True
@@ -61,7 +62,7 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     if any(top_k) or (top_p < 1).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
         pos = torch.arange(vocab, device=logits.device)[None, :]
         drop = pos >= k[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)

@@ -204,9 +204,6 @@ class AsyncEngine:
             else:
                 self._streams.pop(cmd.request_id, None)
                 self.engine.abort_request(cmd.request_id)
-                # the engine refreshes its gauges only in step(); with nothing left to step, /metrics would keep
-                # reporting the aborted request as running
-                self.engine._update_gauges()
 
     def _add(self, cmd: _Add) -> None:
         try:

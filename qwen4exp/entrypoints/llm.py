@@ -55,11 +55,15 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: must be one SamplingParams or one per prompt")
         ids = []
-        for prompt, params in zip(prompts, sampling_params):
-            rid = str(next(self._ids))
-            self.llm_engine.add_request(rid, prompt, params)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                rid = str(next(self._ids))
+                self.llm_engine.add_request(rid, prompt, params)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        finally:  # after an error, nothing of this call may stay scheduled (a later call would hit it again)
+            for rid in ids:
+                self.llm_engine.abort_request(rid)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:

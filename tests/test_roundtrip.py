@@ -1,0 +1,34 @@
+"""`make-random --preset small` round-trips: transformers' from_pretrained reads the checkpoint and gives the same
+logits as qwen4exp."""
+
+import subprocess
+import sys
+
+import torch
+
+from qwen4exp import LLM, SamplingParams
+
+
+def test_small_preset_loads_in_transformers_with_equal_logits(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = str(tmp_path / "small")
+    subprocess.run([sys.executable, "-m", "qwen4exp.entrypoints.cli", "make-random", d, "--preset", "small",
+                    "--dtype", "float32", "--seed", "5"], check=True, capture_output=True)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(d)
+    text = "The capital of France is Paris. <|endoftext|> def fibonacci(n): return n " * 2
+    ids = tok(text)["input_ids"]
+    assert len(ids) > 67  # past the small preset's QSA budget (64) + tail: selection is active
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    llm = LLM(d, dtype="float32", device="cpu", max_model_len=512, num_pages=64, page_size=16)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
+    ours = torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])])
+    torch.testing.assert_close(ours, ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-4, rtol=0)
+    # the top-5 alternatives agree too (ids and values)
+    for pos in (10, len(ids) - 2):
+        top = ref[pos].topk(5)
+        entry = out.prompt_logprobs[pos + 1]
+        for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
+            assert abs(entry[tid].logprob - lp) < 1e-4

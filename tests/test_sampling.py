@@ -1,0 +1,110 @@
+"""Sampling parameters and detokenization behave as in vLLM."""
+
+import pytest
+import torch
+
+from qwen4exp import LLM, SamplingParams
+from qwen4exp.engine.detokenizer import IncrementalDetokenizer
+from qwen4exp.weights.random_checkpoint import make_random
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    d = make_random(str(tmp_path_factory.mktemp("tiny")), "tiny", dtype="float32", seed=2)
+    return LLM(d, dtype="float32", device="cpu", max_model_len=128, num_pages=64, page_size=8)
+
+
+PROMPT = {"prompt_token_ids": [20, 21, 22, 23, 24]}
+
+
+def gen(llm, **kw):
+    kw.setdefault("max_tokens", 8)
+    return llm.generate([PROMPT], SamplingParams(**kw), use_tqdm=False)[0]
+
+
+def test_filters_that_leave_one_token_equal_greedy(llm):
+    greedy = gen(llm, temperature=0).outputs[0].token_ids
+    assert gen(llm, temperature=1.0, top_k=1, seed=1).outputs[0].token_ids == greedy
+    assert gen(llm, temperature=1.0, top_p=1e-6, seed=2).outputs[0].token_ids == greedy
+    assert gen(llm, temperature=1.0, min_p=1.0, seed=3).outputs[0].token_ids == greedy
+    assert gen(llm, temperature=1.0, seed=4, max_tokens=16).outputs[0].token_ids != gen(
+        llm, temperature=0, max_tokens=16).outputs[0].token_ids
+
+
+def test_logit_bias_min_tokens_and_stop_token_ids(llm):
+    out = gen(llm, temperature=0, logit_bias={77: 100.0}, stop_token_ids=[77], min_tokens=3, max_tokens=10).outputs[0]
+    assert out.token_ids[:3] != [77] * 3 and 77 not in out.token_ids[:3]
+    assert out.token_ids[-1] == 77 and len(out.token_ids) == 4
+    assert out.finish_reason == "stop" and out.stop_reason == 77
+
+
+def test_penalties_change_greedy_choices(llm):
+    base = gen(llm, temperature=0, max_tokens=24, ignore_eos=True).outputs[0].token_ids
+    rep = gen(llm, temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=50.0).outputs[0].token_ids
+    pres = gen(llm, temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=2.0,
+               frequency_penalty=2.0).outputs[0].token_ids
+    assert len(set(rep)) >= len(set(base)) and rep != base
+    assert pres != base
+    assert not set(rep) & set(PROMPT["prompt_token_ids"]) or len(set(rep)) > len(set(base))
+
+
+def test_n_and_logprobs(llm):
+    out = llm.generate([PROMPT], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=3),
+                       use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for o in out.outputs:
+        assert len(o.logprobs) == len(o.token_ids)
+        for tok, entry in zip(o.token_ids, o.logprobs):
+            assert tok in entry and 3 <= len(entry) <= 4
+            ranks = sorted(lp.rank for t, lp in entry.items() if t != tok or entry[t].rank <= 3)
+            assert ranks[:3] == [1, 2, 3]
+        assert o.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(o.logprobs, o.token_ids)))
+
+
+def test_stop_strings(llm):
+    base = gen(llm, temperature=0, max_tokens=20, ignore_eos=True).outputs[0]
+    text = base.text
+    stop = text[5:8]
+    out = gen(llm, temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]).outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = gen(llm, temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+               include_stop_str_in_output=True).outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_incremental_detokenization_handles_multibyte_and_holds_back_stop_prefixes(llm):
+    tok = llm.get_tokenizer()
+    text = "Café 你好 😀 do"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["do!"])
+    streamed = ""
+    for t in ids:
+        detok.add(t)
+        delta = detok.delta(finished=False)
+        assert "\ufffd" not in delta
+        streamed += delta
+    assert streamed == "Café 你好 😀 "  # "do" could still become the stop string "do!": held back
+    streamed += detok.delta(finished=True)
+    assert streamed == text
+
+
+@pytest.mark.parametrize("bad, field", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                                        (dict(n=0), "n"), (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"),
+                                        (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2),
+                                                                             "min_tokens"),
+                                        (dict(repetition_penalty=0), "repetition_penalty"),
+                                        (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop")])
+def test_invalid_sampling_params_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_chat_uses_the_template(llm):
+    tok = llm.get_tokenizer()
+    msgs = [{"role": "user", "content": "Hi!"}]
+    out = llm.chat(msgs, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
+    expected = tok.encode("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    assert torch.tensor(out.outputs[0].token_ids).numel() == 2
