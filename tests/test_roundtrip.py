@@ -17,7 +17,7 @@ def test_small_preset_loads_in_transformers_with_equal_logits(tmp_path):
                     "--dtype", "float32", "--seed", "5"], check=True, capture_output=True)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(d)
-    text = "The capital of France is Paris. <|endoftext|> def fibonacci(n): return n " * 2
+    text = "The capital of France is Paris. <|endoftext|> def fibonacci(n): return n " * 5
     ids = tok(text)["input_ids"]
     assert len(ids) > 67  # past the small preset's QSA budget (64) + tail: selection is active
     with torch.no_grad():
