@@ -88,13 +88,8 @@ class CUDAGraphRunner:
                 self.pool = graph.pool()
             self.graphs[n, max_len] = (graph, logits)
         torch.cuda.synchronize(self.device)
-        self._clear_null_state()
         logger.info("captured %d decode CUDA graphs (batch sizes %s, context bounds %s) in %.1f s", len(self.graphs),
                     self.buckets, self.variants, time.perf_counter() - t0)
-
-    def _clear_null_state(self) -> None:
-        for t in self.cache.tensors.state_tensors():
-            t[0].zero_()
 
     def _run(self, bucket: int, max_len: int) -> torch.Tensor:
         graph, logits = self.graphs[bucket, max_len]

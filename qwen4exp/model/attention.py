@@ -28,14 +28,14 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, qk, cos, sin, meta: StepMetadata, cache: AttentionCache, rotary) -> torch.Tensor | None:
+    def forward(self, qk, cos, sin, meta: StepMetadata, cache: AttentionCache, block_rope) -> torch.Tensor | None:
         """qk: index_qk_proj(x) [T, (Hi+1)*Di]. Returns the selected logical token indices [T, budget + C - 1]
         (-1 padded), or None when every context is short enough for all of it to be selected (dense)."""
         q, raw_key = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
         q = ops.rotary.apply_rope(self.q_layernorm(q.reshape(-1, self.n_heads, self.head_dim)), cos, sin)
         ops.attention.write_slots(cache.index_key, raw_key, meta.slot_mapping)
         if meta.new_block_slots.numel():
-            bcos, bsin = rotary(meta.new_block_positions, qk.dtype)
+            bcos, bsin = block_rope
             block_key = ops.attention.pool_block_keys(
                 cache.index_key.view(-1, self.head_dim), meta.new_block_token_slots, self.k_layernorm.weight,
                 self.k_layernorm.eps, bcos, bsin)
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.indexer = QSAIndexer(config) if config.qsa else None
 
-    def forward(self, x, cos, sin, meta: StepMetadata, cache: AttentionCache, rotary) -> torch.Tensor:
+    def forward(self, x, cos, sin, meta: StepMetadata, cache: AttentionCache, block_rope) -> torch.Tensor:
         T = x.shape[0]
         linears = [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
         q, k, v, *index_qk = ops.linear.merged_linear(x, [m.weight for m in linears], [m.bias for m in linears])
@@ -70,7 +70,7 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         ops.attention.write_slots(cache.key, k, meta.slot_mapping)
         ops.attention.write_slots(cache.value, v, meta.slot_mapping)
-        selected = self.indexer(index_qk[0], cos, sin, meta, cache, rotary) if self.indexer is not None else None
+        selected = self.indexer(index_qk[0], cos, sin, meta, cache, block_rope) if self.indexer is not None else None
         out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)

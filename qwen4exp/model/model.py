@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = GatedResidual(config)
         self.mlp_hyper_connection = GatedResidual(config)
 
-    def forward(self, streams, meta: StepMetadata, cos, sin, cache, ple_state, shifted, rotary) -> torch.Tensor:
+    def forward(self, streams, meta: StepMetadata, cos, sin, cache, ple_state, shifted, block_rope) -> torch.Tensor:
         if self.ple is not None:
             streams = streams + self.ple(streams, shifted, meta, ple_state)
 
@@ -37,7 +37,7 @@ class DecoderLayer(nn.Module):
         if self.layer_type == LINEAR:
             y = self.linear_attn(x, meta, cache)
         else:
-            y = self.self_attn(x, cos, sin, meta, cache, rotary)
+            y = self.self_attn(x, cos, sin, meta, cache, block_rope)
         streams = combine(streams, y, inject)
 
         x, inject = self.mlp_hyper_connection(streams)
@@ -60,9 +60,11 @@ class TextModel(nn.Module):
         shifted = None
         if c.ple_layer_ids:  # the EOS-aware n-gram windows are shared by every PLE layer
             shifted = ops.ngram.shifted_tokens(meta, c.eos_token_id, c.ngram_size)
+        # rotation of the QSA blocks completed in this step, shared by every indexed layer
+        block_rope = self.rotary_emb(meta.new_block_positions, x.dtype) if c.qsa else None
         streams = x.repeat(1, c.hc_count)
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, meta, cos, sin, cache.layers[i], cache.ple.get(i), shifted, self.rotary_emb)
+            streams = layer(streams, meta, cos, sin, cache.layers[i], cache.ple.get(i), shifted, block_rope)
         return self.hyper_connection_mixer(streams)[0]
 
 

@@ -31,12 +31,6 @@ class ModelCache:
     layers: list  # AttentionCache | GDNState per decoder layer
     ple: dict[int, torch.Tensor]  # layer index -> PLE conv windows [S, hc*H, L]
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor indexed by state slot (to clear or copy a slot)."""
-        out = [layer.conv for layer in self.layers if isinstance(layer, GDNState)]
-        out += [layer.ssm for layer in self.layers if isinstance(layer, GDNState)]
-        return out + list(self.ple.values())
-
 
 def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     """Bytes of one page across all attention layers."""
