@@ -348,6 +348,8 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # decode batch-size buckets (default: 1, 2, 4, 8, 16, 24, ...)
     seed: int = 0
+    ple_table_device: str = "auto"  # n-gram tables: auto, gpu (with the model) or cpu (page-locked host memory)
+    ple_table_dtype: str = "auto"  # auto (the checkpoint's fp8, else the model dtype), bfloat16, float16, float32, fp8
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
@@ -358,3 +360,9 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError("max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
+        from .weights.ngram_table import TABLE_DEVICES, TABLE_DTYPES
+
+        if self.ple_table_device not in TABLE_DEVICES:
+            raise ConfigError("ple_table_device", f"must be one of {', '.join(TABLE_DEVICES)}, got {self.ple_table_device!r}")
+        if self.ple_table_dtype not in TABLE_DTYPES:
+            raise ConfigError("ple_table_dtype", f"must be one of {', '.join(TABLE_DTYPES)}, got {self.ple_table_dtype!r}")

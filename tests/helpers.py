@@ -55,7 +55,8 @@ def our_llm(hf, **kw):
     kw.setdefault("num_pages", 256)
     kw.setdefault("page_size", 8)
     kw.setdefault("device", "cpu")
-    return LLM(None, dtype="float32", model_config=config, weights=hf.state_dict().items(), **kw)
+    kw.setdefault("dtype", "float32")
+    return LLM(None, model_config=config, weights=hf.state_dict().items(), **kw)
 
 
 def random_prompt(gen: torch.Generator, length: int, vocab: int, eos_every: int | None = 11) -> list[int]:

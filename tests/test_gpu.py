@@ -67,3 +67,28 @@ def test_fla_bf16_prefill_matches_the_chunked_reference():
                            gpu_state, meta)
     torch.testing.assert_close(out.float().cpu(), ref, atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(gpu_state.cpu()[slots], ref_state[slots], atol=5e-2, rtol=5e-2)
+
+
+def test_host_and_gpu_fp8_tables_give_identical_outputs_with_graphs():
+    """bf16 engine with CUDA-graph decode: an fp8 n-gram table in page-locked host memory, read row by row over PCIe
+    on a side stream, gives bit-identical tokens and logprobs to the same table in GPU memory."""
+    from qwen4exp.weights.loader import table_names
+    from qwen4exp.weights.ngram_table import FP8, on_host
+
+    hf = hf_model(hf_config(ple_layer_ids=[1, 2], ngram_vocab_size_base=5000), seed=3)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [random_prompt(gen, n, hf.config.vocab_size, eos_every=9) for n in (3, 50, 130)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    results = {}
+    for where in ("gpu", "cpu"):
+        llm = our_llm(hf, device="cuda", dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64,
+                      ple_table_device=where, ple_table_dtype="fp8")
+        model = llm.llm_engine.model
+        tables = [dict(model.named_parameters())[n] for n in table_names(model)]
+        assert all(t.dtype == FP8 and on_host(t) == (where == "cpu") for t in tables)
+        assert llm.llm_engine.runner.graphs is not None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[where] = ([o.outputs[0].token_ids for o in outs],
+                          [d[t].logprob for o in outs for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+        del llm, model, tables
+    assert results["cpu"] == results["gpu"]

@@ -63,7 +63,10 @@ class LLMEngine:
         self.config = engine_config or EngineConfig()
         self.dtype = resolve_dtype(dtype, mc, self.device)
         torch.manual_seed(self.config.seed)
-        self.model = load_model(mc, model, self.dtype, self.device, load_format, weights, seed=self.config.seed)
+        self.model = load_model(mc, model, self.dtype, self.device, load_format, weights, seed=self.config.seed,
+                                ple_table_device=self.config.ple_table_device,
+                                ple_table_dtype=self.config.ple_table_dtype,
+                                gpu_memory_utilization=self.config.gpu_memory_utilization)
         self.cache = CacheManager(mc, self.config, self.dtype, self.device)
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None

@@ -18,7 +18,8 @@ def _generate(args) -> None:
     from .. import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=args.seed,
-              load_format=args.load_format)
+              load_format=args.load_format, ple_table_device=args.ple_table_device,
+              ple_table_dtype=args.ple_table_dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompts = args.prompt or ["Hello"]
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.set_defaults(func=_generate)
 
-    from .serve_cli import add_serve_parser
+    from .serve_cli import add_ple_table_args, add_serve_parser
+
+    add_ple_table_args(g)
 
     add_serve_parser(sub)
     from ..bench.cli import add_bench_parser

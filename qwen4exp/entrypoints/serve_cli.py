@@ -34,9 +34,19 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--enforce-eager", action="store_true")
+    add_ple_table_args(p)
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def add_ple_table_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ple-table-device", default="auto", choices=["auto", "gpu", "cpu"],
+                   help="where the PLE n-gram tables live: with the model on the GPU, or in page-locked host memory "
+                        "read row by row (auto: the GPU when all weights leave 10%% of the memory budget free)")
+    p.add_argument("--ple-table-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "fp8"],
+                   help="n-gram table storage; fp8 is e4m3 with one scale per table (auto: the checkpoint's fp8, "
+                        "else the model dtype)")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from .hyper_connection import GatedResidual, combine
 from .metadata import StepMetadata
 from .moe import SparseMoeBlock
 from .common import RotaryEmbedding
-from .ple import PLELayer
+from .ple import NGramPrefetch, PLELayer
 from .state import ModelCache
 
 
@@ -29,9 +29,9 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = GatedResidual(config)
         self.mlp_hyper_connection = GatedResidual(config)
 
-    def forward(self, streams, meta: StepMetadata, cos, sin, cache, ple_state, shifted, block_rope) -> torch.Tensor:
+    def forward(self, streams, meta: StepMetadata, cos, sin, cache, ple_state, ple_rows, block_rope) -> torch.Tensor:
         if self.ple is not None:
-            streams = streams + self.ple(streams, shifted, meta, ple_state)
+            streams = streams + self.ple(streams, ple_rows, meta, ple_state)
 
         x, inject = self.attn_hyper_connection(streams)
         if self.layer_type == LINEAR:
@@ -57,14 +57,17 @@ class TextModel(nn.Module):
         c = self.config
         x = self.embed_tokens(meta.input_ids)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
-        shifted = None
-        if c.ple_layer_ids:  # the EOS-aware n-gram windows are shared by every PLE layer
+        prefetch = None
+        if c.ple_layer_ids:  # every PLE layer's rows are requested now, ahead of the layers that use them
             shifted = ops.ngram.shifted_tokens(meta, c.eos_token_id, c.ngram_size)
+            ple = {i: layer.ple.ple_embedding for i, layer in enumerate(self.layers) if layer.ple is not None}
+            prefetch = NGramPrefetch(ple, shifted, x.dtype)
         # rotation of the QSA blocks completed in this step, shared by every indexed layer
         block_rope = self.rotary_emb(meta.new_block_positions, x.dtype) if c.qsa else None
         streams = x.repeat(1, c.hc_count)
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, meta, cos, sin, cache.layers[i], cache.ple.get(i), shifted, block_rope)
+            rows = prefetch.rows(i) if layer.ple is not None else None
+            streams = layer(streams, meta, cos, sin, cache.layers[i], cache.ple.get(i), rows, block_rope)
         return self.hyper_connection_mixer(streams)[0]
 
 

@@ -58,6 +58,7 @@ class NGramEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, ple_index: int):
         super().__init__()
         self.heads_per_ngram = config.heads_per_ngram
+        self.embed_dim = config.ple_embed_dim
         heads = config.ngram_heads
         sizes = head_table_sizes(config.ngram_vocab_size_base, ple_index * heads, heads)
         offsets = [sum(sizes[:i]) for i in range(heads)]
@@ -68,16 +69,56 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("layer_multipliers", torch.tensor(mult, dtype=torch.long, device="cpu"), persistent=False)
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long, device="cpu"), persistent=False)
         self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long, device="cpu"), persistent=False)
+        # The table may live in host memory and be float8 (weights/ngram_table.py); its rows are multiplied by
+        # `weight_scale` (1 unless quantised) when gathered.
         self.ngram_embedding = nn.Embedding(padded, config.ple_embed_dim // heads)
+        self.ngram_embedding.register_buffer("weight_scale", torch.ones((), device="cpu"), persistent=False)
 
-    def forward(self, shifted: torch.Tensor) -> torch.Tensor:
-        """shifted: [T, N] tokens t, t-1, .. (EOS-reset) -> concatenated head rows [T, ple_embed_dim]."""
-        ids = ops.ngram.ngram_ids(
+    def ids(self, shifted: torch.Tensor) -> torch.Tensor:
+        """shifted: [T, N] tokens t, t-1, .. (EOS-reset) -> [T, heads] row ids."""
+        return ops.ngram.ngram_ids(
             shifted, self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
             self.heads_per_ngram,
         )
-        table = self.ngram_embedding.weight
-        return table[ids.to(table.device)].to(shifted.device).flatten(1)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenated head rows [T, ple_embed_dim] for ids [T, heads], dequantised to `dtype`."""
+        table = self.ngram_embedding
+        return ops.table_gather.gather_rows(table.weight, ids, table.weight_scale, dtype, out)
+
+
+class NGramPrefetch:
+    """Every PLE layer's table rows, requested at the start of a step.
+
+    The n-gram ids depend on token ids only, so hashing and gathering for all PLE layers is issued before the first
+    decoder layer runs. On a GPU this happens on a side stream, so reading rows from a host-resident table over
+    PCIe overlaps the layers before the PLE layer; `rows(layer)` makes the compute stream wait for them. The fork
+    and join are stream waits, which CUDA graphs capture.
+    """
+
+    _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, embeddings: dict[int, NGramEmbedding], shifted: torch.Tensor, dtype: torch.dtype):
+        self._joined = True
+        if not shifted.is_cuda:
+            self._rows = {i: e.rows(e.ids(shifted), dtype) for i, e in embeddings.items()}
+            return
+        main = torch.cuda.current_stream(shifted.device)
+        side = self._side_streams.setdefault(shifted.device, torch.cuda.Stream(shifted.device))
+        # outputs belong to the compute stream, which reads them only after joining the side stream
+        self._rows = {i: torch.empty(shifted.shape[0], e.embed_dim,
+                                     dtype=dtype, device=shifted.device) for i, e in embeddings.items()}
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for i, e in embeddings.items():
+                e.rows(e.ids(shifted), dtype, out=self._rows[i])
+        self._side, self._joined = side, False
+
+    def rows(self, layer: int) -> torch.Tensor:
+        if not self._joined:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
+            self._joined = True
+        return self._rows[layer]
 
 
 class PLELayer(nn.Module):
@@ -99,9 +140,9 @@ class PLELayer(nn.Module):
         )
 
     def forward(
-        self, streams: torch.Tensor, shifted: torch.Tensor, meta: StepMetadata, conv_state: torch.Tensor
+        self, streams: torch.Tensor, emb: torch.Tensor, meta: StepMetadata, conv_state: torch.Tensor
     ) -> torch.Tensor:
-        emb = self.ple_embedding(shifted).to(streams.dtype)
+        """emb: this layer's n-gram rows [T, ple_embed_dim] in the streams' dtype (NGramPrefetch)."""
         key, value = ops.linear.merged_linear(emb, [self.key_proj.weight, self.value_proj.weight])
         key = self.norm_key(key).unflatten(-1, (self.hc_count, self.hidden_size))
         query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))

@@ -52,4 +52,4 @@ def reference_ops():
         _force_reference = saved
 
 
-from . import attention, conv, gated_delta, hyper_connection, linear, moe, ngram, norm, rotary  # noqa: E402,F401
+from . import attention, conv, gated_delta, hyper_connection, linear, moe, ngram, norm, rotary, table_gather  # noqa: E402,F401,E501

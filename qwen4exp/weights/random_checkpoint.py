@@ -99,20 +99,21 @@ def checkpoint_specs(model, config) -> list[tuple[str, tuple[int, ...], torch.dt
         else:
             specs.append((name, tuple(p.shape), p.dtype, name))
     for name, b in model.named_buffers():
-        if "ple_embedding" in name:
+        if name.rsplit(".", 1)[-1] in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"):
             specs.append((name, tuple(b.shape), torch.int64, name))
     return specs
 
 
 def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 0,
-                max_shard_bytes: int = 4 << 30) -> str:
+                max_shard_bytes: int = 4 << 30, overrides: dict | None = None) -> str:
+    """`overrides` replaces config fields of the preset (e.g. a larger ngram_vocab_size_base)."""
     from ..weights.loader import build_model
 
     os.makedirs(out_dir, exist_ok=True)
     tok_vocab = PRESETS.get(preset, {}).get("tokenizer_vocab", 1024)
     special = build_tokenizer(out_dir, vocab_size=tok_vocab)
     eos, im_end = special["<|endoftext|>"], special["<|im_end|>"]
-    cfg = preset_config(preset, eos_token_id=eos, dtype=dtype)
+    cfg = preset_config(preset, eos_token_id=eos, dtype=dtype) | (overrides or {})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:

@@ -39,7 +39,7 @@ def write_safetensors(
             t = produce(name)
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, declared {shape} {dtype}")
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def write_sharded(
@@ -96,21 +96,21 @@ def _header(f) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def read_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape from the file headers, without reading data."""
-    shapes = {}
-    for path in files:
-        with open(path, "rb") as f:
-            header, _ = _header(f)
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items()})
-    return shapes
-
-
 _BY_NAME = {v: k for k, v in _DTYPES.items()} | {"BOOL": torch.bool, "F64": torch.float64}
 
 
-def iterate_files(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) pairs in file order, one tensor in memory at a time.
+def read_infos(files: list[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Every tensor's (shape, dtype) from the file headers, without reading data."""
+    infos = {}
+    for path in files:
+        with open(path, "rb") as f:
+            header, _ = _header(f)
+        infos.update({k: (tuple(v["shape"]), _BY_NAME.get(v["dtype"])) for k, v in header.items()})
+    return infos
+
+
+def iterate_files(files: list[str], only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs in file order, one tensor in memory at a time (those `only` accepts, if given).
 
     Plain reads rather than mmap: a mapped file's pages count as resident memory of the process until it is
     unmapped, which would make a loading process look (and, under memory limits, behave) like it holds the
@@ -120,6 +120,8 @@ def iterate_files(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         with open(path, "rb") as f:
             header, base = _header(f)
             for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                if only is not None and not only(name):
+                    continue
                 start, end = info["data_offsets"]
                 buf = torch.empty(end - start, dtype=torch.uint8)
                 f.seek(base + start)
