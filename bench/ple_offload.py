@@ -66,7 +66,7 @@ def gather_us(engine) -> dict:
             b.synchronize()
             if i >= 3:
                 times.append(a.elapsed_time(b) * 1e3)
-        out[T] = statistics.median(times)
+        out[str(T)] = statistics.median(times)
     return out
 
 
