@@ -75,7 +75,8 @@ def test_host_and_gpu_fp8_tables_give_identical_outputs_with_graphs():
     from qwen4exp.weights.loader import table_names
     from qwen4exp.weights.ngram_table import FP8, on_host
 
-    hf = hf_model(hf_config(ple_layer_ids=[1, 2], ngram_vocab_size_base=5000), seed=3)
+    hf = hf_model(hf_config(ple_layer_ids=[1, 2], ngram_vocab_size_base=5000, linear_key_head_dim=16,
+                            linear_value_head_dim=16, head_dim=32, indexer_head_dim=16), seed=3)
     gen = torch.Generator().manual_seed(4)
     prompts = [random_prompt(gen, n, hf.config.vocab_size, eos_every=9) for n in (3, 50, 130)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=0, logprobs=0)

@@ -198,7 +198,8 @@ def qsa_select_batched(
         # no complete block can ever be picked: only the tail
         return _pack_selection(torch.zeros(T, 0, dtype=torch.long, device=index_q.device), token_pos, C, width)
     if use_triton is None:
-        use_triton = triton is not None and index_q.is_cuda
+        # tl.dot needs a reduction dim of at least 16 (the released models use 128)
+        use_triton = triton is not None and index_q.is_cuda and di >= 16
     if use_triton:
         per_token = max_blocks * 4 * 2  # scores + topk's working copy
     else:
