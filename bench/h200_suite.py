@@ -258,7 +258,8 @@ def stage_profile(results, engine, batch=1):
     engine.runner.graphs = graphs
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    results[f"profile_b{batch}"] = {"eager_step_s": eager_step, "cuda_kernels_per_step": sum(e.count for e in events) / 4,
+    results[f"profile_b{batch}"] = {"eager_step_s": eager_step,
+                          "cuda_kernels_per_step": sum(e.count for e in events) / 4,
                           "cuda_time_per_step_ms": sum(e.device_time_total for e in events) / 4 / 1000,
                           "table": table}
     log(table)

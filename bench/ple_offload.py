@@ -5,8 +5,8 @@ weights in both engines).
     python bench/ple_offload.py --out OUT_DIR [--order gpu,cpu,gpu]
 
 For each placement in --order, one engine is built, measured and freed: batch-1 decode (128 in / 128 out, median of
-5) and 64 concurrent requests (1024 in / 256 out, median of 2 after a warm-up), plus the raw row-gather time at 1, 64 and 8192
-tokens. Results go to OUT_DIR/ple_results.json and a markdown section OUT_DIR/ple_section.md, which
+5) and 64 concurrent requests (1024 in / 256 out, median of 2 after a warm-up), plus the raw row-gather time at 1, 64
+and 8192 tokens. Results go to OUT_DIR/ple_results.json and a markdown section OUT_DIR/ple_section.md, which
 `python bench/ple_offload.py --docs OUT_DIR/ple_results.json` writes into docs/benchmarks.md.
 """
 
@@ -42,7 +42,8 @@ def model_config(base: int):
 
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(preset_config("flash-next-128e", eos_token_id=0, dtype="bfloat16") | {"ngram_vocab_size_base": base}, f)
+        json.dump(preset_config("flash-next-128e", eos_token_id=0, dtype="bfloat16")
+                  | {"ngram_vocab_size_base": base}, f)
     return load_model_config(d)
 
 

@@ -28,10 +28,13 @@ def write_report(results: dict, out_dir: str) -> str:
               f"| batch-1 decode (128 in / 128 out), output tok/s | {_f(ours.get('decode_b1_tok_s'))} | >= 150 |",
               f"| batch-1 decode vs transformers ({_f(hf.get('decode_b1_tok_s'), '{:.2f}')} tok/s) | "
               f"{_f(ratio)}x | >= 15x |",
-              f"| batch-1 HBM roofline fraction | {_f(100 * ours['decode_b1_roofline_fraction'] if 'decode_b1_roofline_fraction' in ours else None)}% | >= 45% |",
+              f"| batch-1 HBM roofline fraction | "
+              f"{_f(100 * ours['decode_b1_roofline_fraction'] if 'decode_b1_roofline_fraction' in ours else None)}% "
+              "| >= 45% |",
               f"| 64 concurrent (1k in / 256 out), output tok/s | {_f(c64.get('output_throughput'))} | >= 2000 |",
               f"| prefill 8k, tok/s | {_f(p8.get('prefill_tok_s'), '{:.0f}')} | >= 10000 |",
-              f"| prefill 32k time / 8k time | {_f(p32['ttft_s'] / p8['ttft_s'] if p32 and p8 else None, '{:.2f}')} | <= 5 |",
+              f"| prefill 32k time / 8k time | "
+              f"{_f(p32['ttft_s'] / p8['ttft_s'] if p32 and p8 else None, '{:.2f}')} | <= 5 |",
               f"| GPU bf16 vs CPU fp32 top-1 agreement (small, teacher forcing) | "
               f"{_f(100 * agree['top1_agreement'] if agree else None, '{:.2f}')}% | >= 99% |",
               f"| ... the CPU bf16 reference vs CPU fp32, same positions | "
@@ -42,21 +45,25 @@ def write_report(results: dict, out_dir: str) -> str:
     check = results.get("hf_check", {})
     if check:
         lines += ["## Same weights, same prompt: transformers vs qwen4exp (bf16, GPU)", "",
-                  f"- prompt (128 tokens) top-1 agreement {_f(100 * check.get('prompt_top1_agreement', 0), '{:.1f}')}%, "
+                  f"- prompt (128 tokens) top-1 agreement "
+                  f"{_f(100 * check.get('prompt_top1_agreement', 0), '{:.1f}')}%, "
                   f"max |logprob diff| {_f(check.get('prompt_logprob_max_abs_diff'), '{:.3f}')}, mean "
                   f"{_f(check.get('prompt_logprob_mean_abs_diff'), '{:.4f}')}, non-finite in transformers "
                   f"{check.get('hf_nonfinite', 'n/a')}",
                   f"- first greedy tokens: transformers {check.get('hf_first_tokens')}, qwen4exp "
                   f"{check.get('ours_first_tokens')}", ""]
+    roofline_step_ms = ours.get("decode_b1_bytes_per_step", 0) / max(ours.get("copy_bandwidth_GBs", 1), 1e-9) / 1e6
     lines += ["## Batch-1 decode", "",
-              f"- median TPOT {_f(b1.get('median_tpot_ms'), '{:.2f}')} ms, p99 ITL {_f(b1.get('p99_itl_ms'), '{:.2f}')} ms, "
+              f"- median TPOT {_f(b1.get('median_tpot_ms'), '{:.2f}')} ms, "
+              f"p99 ITL {_f(b1.get('p99_itl_ms'), '{:.2f}')} ms, "
               f"TTFT (128-token prompt) {_f(b1.get('median_ttft_ms'), '{:.1f}')} ms",
               f"- bytes read per step {_f(ours.get('decode_b1_bytes_per_step', 0) / 1e9, '{:.2f}')} GB; measured copy "
               f"bandwidth {_f(ours.get('copy_bandwidth_GBs'), '{:.0f}')} GB/s; roofline step "
-              f"{_f(ours.get('decode_b1_bytes_per_step', 0) / max(ours.get('copy_bandwidth_GBs', 1), 1e-9) / 1e6, '{:.2f}')} ms", ""]
+              f"{_f(roofline_step_ms, '{:.2f}')} ms", ""]
     if conc:
         lines += ["## Throughput vs concurrency (1k-token prompts, 256 output tokens each)", "",
-                  "| concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms |", "|---|---|---|---|---|"]
+                  "| concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms |",
+                  "|---|---|---|---|---|"]
         for k in sorted(conc, key=lambda x: int(x)):
             r = conc[k]
             lines.append(f"| {k} | {_f(r['output_throughput'], '{:.0f}')} | {_f(r.get('median_ttft_ms'))} | "

@@ -122,7 +122,8 @@ class ModelConfig:
         """Build from a transformers `Qwen4ExpTextConfig` (already normalised by its `__post_init__`)."""
         rope = dict(hf.rope_parameters or {})
         if rope.get("rope_type", "default") != "default":
-            raise ConfigError("rope_parameters.rope_type", f"only 'default' RoPE is supported, got {rope['rope_type']!r}")
+            raise ConfigError("rope_parameters.rope_type",
+                              f"only 'default' RoPE is supported, got {rope['rope_type']!r}")
         eos = hf.eos_token_id
         eos_first = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
         if isinstance(eos_first, list):
@@ -189,7 +190,8 @@ def _validate(c: ModelConfig) -> None:
     if c.num_attention_heads % c.num_key_value_heads:
         raise ConfigError(
             "num_key_value_heads",
-            f"num_attention_heads={c.num_attention_heads} is not divisible by num_key_value_heads={c.num_key_value_heads}",
+            f"num_attention_heads={c.num_attention_heads} is not divisible by "
+            f"num_key_value_heads={c.num_key_value_heads}",
         )
     if c.linear_num_value_heads % c.linear_num_key_heads:
         raise ConfigError(
@@ -214,7 +216,8 @@ def _validate(c: ModelConfig) -> None:
             if value <= 0:
                 raise ConfigError(name, f"QSA values must be positive, got {value}")
         if c.indexer_kv_heads != 1:
-            raise ConfigError("indexer_kv_heads", f"Qwen4-Exp QSA requires indexer_kv_heads=1, got {c.indexer_kv_heads}")
+            raise ConfigError("indexer_kv_heads",
+                              f"Qwen4-Exp QSA requires indexer_kv_heads=1, got {c.indexer_kv_heads}")
         if c.indexer_budget % c.indexer_compress_ratio:
             raise ConfigError(
                 "indexer_budget",
@@ -236,7 +239,8 @@ def _validate(c: ModelConfig) -> None:
         if c.ple_embed_dim <= 0 or c.ple_embed_dim % c.ngram_heads:
             raise ConfigError(
                 "ple_embed_dim",
-                f"must be positive and divisible by the number of n-gram heads: {c.ple_embed_dim} % {c.ngram_heads} != 0",
+                f"must be positive and divisible by the number of n-gram heads: "
+                f"{c.ple_embed_dim} % {c.ngram_heads} != 0",
             )
         bad = [i for i in c.ple_layer_ids if i < 1 or i > c.num_hidden_layers]
         if bad:
@@ -363,6 +367,8 @@ class EngineConfig:
         from .weights.ngram_table import TABLE_DEVICES, TABLE_DTYPES
 
         if self.ple_table_device not in TABLE_DEVICES:
-            raise ConfigError("ple_table_device", f"must be one of {', '.join(TABLE_DEVICES)}, got {self.ple_table_device!r}")
+            raise ConfigError("ple_table_device",
+                              f"must be one of {', '.join(TABLE_DEVICES)}, got {self.ple_table_device!r}")
         if self.ple_table_dtype not in TABLE_DTYPES:
-            raise ConfigError("ple_table_dtype", f"must be one of {', '.join(TABLE_DTYPES)}, got {self.ple_table_dtype!r}")
+            raise ConfigError("ple_table_dtype",
+                              f"must be one of {', '.join(TABLE_DTYPES)}, got {self.ple_table_dtype!r}")

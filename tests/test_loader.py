@@ -109,7 +109,8 @@ def test_sharded_index_and_in_memory_iterator(tiny_dir, reference, tmp_path):
          ["mis-shaped", "model.layers.3.self_attn.k_proj.weight", "(5, 64)", "(32, 64)"]),
         (lambda t: {k: v for k, v in t.items() if k != "model.layers.2.mlp.experts.5.down_proj.weight"},
          ["model.layers.2.mlp.experts.down_proj", "experts [5]"]),
-        (lambda t: {k: v for k, v in t.items() if k != "model.layers.1.ple.ple_embedding.ngram_embedding.shard_2.weight"},
+        (lambda t: {k: v for k, v in t.items()
+                    if k != "model.layers.1.ple.ple_embedding.ngram_embedding.shard_2.weight"},
          ["ngram_embedding", "not contiguous"]),
         (lambda t: {**t, "model.layers.1.ple.ple_embedding.layer_multipliers":
                     t["model.layers.1.ple.ple_embedding.layer_multipliers"] + 2},

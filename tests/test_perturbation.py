@@ -72,7 +72,8 @@ def test_every_parameter_kind_matters(setup):
 
 
 COMPONENT_FAULTS = {
-    "ngram EOS reset ignored": ("ngram", "shifted_tokens_ref", lambda orig: lambda ids, q, c, eos, n: orig(ids, q, c, -7, n)),
+    "ngram EOS reset ignored": ("ngram", "shifted_tokens_ref",
+                                lambda orig: lambda ids, q, c, eos, n: orig(ids, q, c, -7, n)),
     "ngram hash order swapped": ("ngram", "ngram_ids",
                                  lambda orig: lambda t, m, s, o, h: orig(t.flip(1).contiguous(), m, s, o, h)),
     "QSA keeps the first blocks": ("attention", "qsa_select_ref", lambda orig: lambda q, *a: orig(q.abs() * 0 + 1, *a)),
@@ -82,7 +83,8 @@ COMPONENT_FAULTS = {
     "GDN state dropped between chunks": (
         "gated_delta", "gated_delta_rule_ref",
         lambda orig: lambda q, k, v, g, b, st, qsl, sl, hi: orig(q, k, v, g, b, st, qsl, sl, [False] * len(hi))),
-    "GDN decay halved": ("gated_delta", "gated_delta_rule_ref", lambda orig: lambda q, k, v, g, *a: orig(q, k, v, g * 0.5, *a)),
+    "GDN decay halved": ("gated_delta", "gated_delta_rule_ref",
+                         lambda orig: lambda q, k, v, g, *a: orig(q, k, v, g * 0.5, *a)),
     "rope dims shifted": ("rotary", "apply_rope", lambda orig: lambda x, c, s: orig(x, c.roll(1, -1), s)),
     "norm eps x1e4": ("norm", "rms_norm", lambda orig: lambda x, w, eps, g=None: orig(x, w, eps * 1e4, g)),
     "routed experts top-k renormalisation off": (

@@ -44,7 +44,8 @@ class Live:
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics").text
-        return sum(float(m.group(2)) for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
+        return sum(float(m.group(2))
+                   for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
 
     def idle(self) -> bool:
         return (self.engine.cache.all_free() and self.metric("qwen4exp:num_requests_running") == 0

@@ -140,7 +140,8 @@ class CUDAGraphRunner:
                                        non_blocking=True)
         self.buf["block_tables"][:bucket].copy_(table, non_blocking=True)
         longest = max(ch.context_len + 1 for ch in chunks)
-        max_len = self.short_len if self.short_len in self.variants and longest <= self.short_len else self.max_model_len
+        max_len = (self.short_len if self.short_len in self.variants and longest <= self.short_len
+                   else self.max_model_len)
         logits = self._run(bucket, max_len)
         wanted = [r for r, ch in enumerate(chunks) if ch.logits_from == 0]
         if len(wanted) == n:

@@ -95,7 +95,8 @@ class LLMEngine:
             raise ValueError("prompt: must contain at least one token")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         limit = self.config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:

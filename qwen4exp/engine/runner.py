@@ -58,7 +58,8 @@ def build_metadata(
         if C:
             for b in range(ch.context_len // C, (ch.context_len + n) // C):
                 first = b * C
-                block_tok.append([ch.pages[p // page_size] * page_size + p % page_size for p in range(first, first + C)])
+                block_tok.append([ch.pages[p // page_size] * page_size + p % page_size
+                                  for p in range(first, first + C)])
                 block_slot.append(ch.pages[first // page_size] * (page_size // C) + (first % page_size) // C)
                 block_pos.append(first)
 

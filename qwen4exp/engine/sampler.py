@@ -38,9 +38,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: lis
             logits[i, torch.tensor(banned, device=logits.device)] = float("-inf")
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(req.prompt_token_ids + req.output_token_ids, dtype=torch.long, device=logits.device)] = True
+            seen[torch.tensor(req.prompt_token_ids + req.output_token_ids, dtype=torch.long,
+                              device=logits.device)] = True
             row = logits[i]
-            logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+            logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty),
+                                    row)
         if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
             counts = torch.bincount(
                 torch.tensor(req.output_token_ids, device=logits.device), minlength=vocab

@@ -67,8 +67,10 @@ class NGramEmbedding(nn.Module):
         padded = -(-self.num_rows // divisor) * divisor
         mult = layer_multipliers(config.vocab_size, config.ngram_size, ple_index, config.seed)
         self.register_buffer("layer_multipliers", torch.tensor(mult, dtype=torch.long, device="cpu"), persistent=False)
-        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long, device="cpu"), persistent=False)
-        self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long, device="cpu"), persistent=False)
+        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long, device="cpu"),
+                             persistent=False)
+        self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long, device="cpu"),
+                             persistent=False)
         # The table may live in host memory and be float8 (weights/ngram_table.py); its rows are multiplied by
         # `weight_scale` (1 unless quantised) when gathered.
         self.ngram_embedding = nn.Embedding(padded, config.ple_embed_dim // heads)

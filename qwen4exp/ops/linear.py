@@ -20,7 +20,8 @@ def merged_weight(weights: list[torch.Tensor]) -> torch.Tensor:
         adjacent = adjacent and w.is_contiguous() and w.dtype == first.dtype and w.shape[1:] == first.shape[1:] and (
             w.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size())
         rows += w.shape[0]
-    if adjacent and first.untyped_storage().nbytes() >= first.storage_offset() * first.element_size() + rows * first[0].numel() * first.element_size():
+    if adjacent and first.untyped_storage().nbytes() >= (
+            first.storage_offset() * first.element_size() + rows * first[0].numel() * first.element_size()):
         return first.as_strided((rows, *first.shape[1:]), first.stride())
     return torch.cat(weights)
 

@@ -38,7 +38,8 @@ if triton is not None:
         mask = valid[:, None] & (d[None, :] < D)
         vals = tl.load(table + row[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
         vals = vals * tl.load(scale)
-        tl.store(out + r.to(tl.int64)[:, None] * D + d[None, :], vals.to(out.dtype.element_ty, fp_downcast_rounding=ROUND), mask=mask)
+        tl.store(out + r.to(tl.int64)[:, None] * D + d[None, :],
+                 vals.to(out.dtype.element_ty, fp_downcast_rounding=ROUND), mask=mask)
 
 
 def gather_rows_triton(

@@ -54,7 +54,11 @@ def table_names(model: Qwen4ExpForCausalLM) -> list[str]:
 
 
 def build_model(
-    config: ModelConfig, dtype: torch.dtype, device, tables_on_host: bool = False, table_dtype: torch.dtype | None = None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device,
+    tables_on_host: bool = False,
+    table_dtype: torch.dtype | None = None,
 ) -> Qwen4ExpForCausalLM:
     """Allocate the model directly on `device` (parameters uninitialised; fp32 kept for A_log and dt_bias).
 

@@ -101,7 +101,8 @@ def resolve_table_on_host(
     budget = total * gpu_memory_utilization - (total - free)
     fits = other_bytes + table_bytes <= 0.9 * budget
     logger.info(
-        "ple_table_device=auto: weights %.2f GiB + n-gram tables %.2f GiB %s 90%% of the %.2f GiB budget -> tables on %s",
+        "ple_table_device=auto: weights %.2f GiB + n-gram tables %.2f GiB %s 90%% of the %.2f GiB budget "
+        "-> tables on %s",
         other_bytes / 2**30, table_bytes / 2**30, "fit in" if fits else "exceed", budget / 2**30,
         "the GPU" if fits else "the host (page-locked)",
     )

@@ -174,7 +174,8 @@ def test_end_to_end_with_sparse_attention():
     q = torch.randn(b["index_q"].shape[0], hq, D, generator=g).to(DEVICE)
     sel_ref = reference(b, budget)
     sel_fast = fast(b, budget, use_triton=True)
-    expected = ref_ops.paged_attention_ref(q, key_cache, value_cache, b["block_tables"], b["qsl"], b["ctx"], 0.25, sel_ref)
+    expected = ref_ops.paged_attention_ref(q, key_cache, value_cache, b["block_tables"], b["qsl"], b["ctx"], 0.25,
+                                           sel_ref)
     out = sparse_paged_attention(q, key_cache, value_cache, b["block_tables"], b["token_req"], b["token_pos"], 0.25,
                                  sel_fast, num_splits=2, block_n=16)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
