@@ -260,8 +260,9 @@ def table_amax(weights: Iterable[tuple[str, torch.Tensor]], tables: list[str]) -
     amax = dict.fromkeys(tables, 0.0)
     for raw_name, tensor in weights:
         table = _table_of(raw_name)
-        if table in amax and tensor.dtype != FP8:
-            amax[table] = max(amax[table], float(tensor.abs().max()) if tensor.numel() else 0.0)
+        if table in amax and tensor.dtype != FP8 and tensor.numel():
+            lo, hi = torch.aminmax(tensor)  # no |tensor| temporary
+            amax[table] = max(amax[table], -float(lo), float(hi))
     return amax
 
 

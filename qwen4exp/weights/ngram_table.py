@@ -19,8 +19,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 TABLE_DEVICES = ("auto", "gpu", "cpu")
 TABLE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")
-# rows converted at a time when quantising or filling, so that conversion temporaries stay small
-_CHUNK_ROWS = 1 << 16
+# bytes of fp32 converted at a time when quantising or filling, so that conversion temporaries stay small
+_CHUNK_BYTES = 4 << 20
 
 
 _host_tables: set[int] = set()  # data pointers of live host_empty mappings
@@ -118,8 +118,9 @@ def write_rows_(dest: torch.Tensor, offset: int, rows: torch.Tensor, scale: floa
 
     Converted a chunk at a time on the rows' device, so the temporaries stay a few MB whatever the shard size."""
     quantise = dest.dtype == FP8 and rows.dtype != FP8
-    for s in range(0, rows.shape[0], _CHUNK_ROWS):
-        part = rows[s: s + _CHUNK_ROWS]
+    step = max(1, _CHUNK_BYTES // (4 * max(rows.shape[1], 1)))
+    for s in range(0, rows.shape[0], step):
+        part = rows[s: s + step]
         if quantise:
             part = (part.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
         elif dest.dtype != part.dtype:

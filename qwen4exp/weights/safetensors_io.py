@@ -4,6 +4,7 @@ a time, so a checkpoint larger than memory can be generated."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -109,6 +110,15 @@ def read_infos(files: list[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype
     return infos
 
 
+def _read_buffer(nbytes: int) -> torch.Tensor:
+    """A buffer for one tensor's bytes. Large ones get their own anonymous mapping, which goes back to the OS as
+    soon as the tensor is freed; from malloc, a freed multi-MB block can stay in the process's heap (glibc raises
+    its mmap threshold after such frees), so a loader streaming shards would keep several of them resident."""
+    if nbytes < 1 << 20:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+
+
 def iterate_files(files: list[str], only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (name, tensor) pairs in file order, one tensor in memory at a time (those `only` accepts, if given).
 
@@ -123,7 +133,7 @@ def iterate_files(files: list[str], only: Callable[[str], bool] | None = None) -
                 if only is not None and not only(name):
                     continue
                 start, end = info["data_offsets"]
-                buf = torch.empty(end - start, dtype=torch.uint8)
+                buf = _read_buffer(end - start)
                 f.seek(base + start)
                 f.readinto(memoryview(buf.numpy()))
                 yield name, buf.view(_BY_NAME[info["dtype"]]).reshape(info["shape"])
