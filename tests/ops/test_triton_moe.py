@@ -163,3 +163,47 @@ def test_pairwise_moe_matches_reference(n, k, e):
     weights = torch.softmax(torch.randn(n, k, generator=g), -1)
     out = pairwise_moe(x, gate_up, down, ids, weights)
     assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 1e-4
+
+
+def _pairwise_with_shared(x, gate_up, down, ids, weights, shared_gate, shared_up, shared_down, shared_logit):
+    from qwen4exp.ops import triton_moe
+
+    return triton_moe.pairwise_moe(x, gate_up, down, ids, weights,
+                                   shared=(shared_gate, shared_up, shared_down, shared_logit))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,shared_inter", [(1, 4, 48), (3, 2, 40), (9, 1, 300)])
+def test_pairwise_moe_with_the_shared_expert_matches_reference(dtype, n, k, shared_inter):
+    """Decode MoE in one summing kernel: routed experts + sigmoid(gate) * shared expert, where the shared expert's
+    gate/up are strided views into the router's merged GEMM output (as in the model)."""
+    from qwen4exp.ops.moe import add_shared_expert, silu_mul
+
+    x, gate_up, down, ids, weights = _problem(n, 64, 48, 8, k, dtype, seed=n + k)
+    g = torch.Generator().manual_seed(3)
+    merged = torch.randn(n, 8 + 1 + 2 * shared_inter, generator=g).to(dtype)  # router | gate logit | gate | up
+    logit, sg, su = merged[:, 8:9], merged[:, 9:9 + shared_inter], merged[:, 9 + shared_inter:]
+    sw = (torch.randn(64, shared_inter, generator=g) / shared_inter**0.5).to(dtype)
+    out = on_device(_pairwise_with_shared)(x, gate_up, down, ids, weights, sg, su, sw, logit)
+    ref = add_shared_expert(moe_experts(x, gate_up, down, ids, weights), logit,
+                            torch.nn.functional.linear(silu_mul(sg, su), sw))
+    assert out.dtype == dtype and out.shape == (n, 64)
+    # bf16: the fused kernel rounds once where the unfused path rounds per expert and after the sum
+    assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts,top_k,renormalize", [(128, 10, True), (8, 2, False), (100, 3, True)])
+def test_fused_route_matches_reference(dtype, num_experts, top_k, renormalize):
+    from qwen4exp.ops.moe import route_ref
+    from qwen4exp.ops.triton_moe import route_triton
+
+    g = torch.Generator().manual_seed(num_experts)
+    # distinct values (multiples of 1/16, exact in bf16): which of two equal probabilities top-k takes is unspecified
+    logits = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(37)]).to(dtype) / 16 - 3
+    weights, ids = on_device(route_triton)(logits, top_k, renormalize)
+    ref_weights, ref_ids = route_ref(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert torch.equal(ids, ref_ids)  # descending order, as torch.topk
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(weights.float(), ref_weights.float(), rtol=tol, atol=tol)
