@@ -34,6 +34,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
+    def forward(self, x, topk_weights, topk_ids):
+        return ops.moe.moe_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -48,6 +51,5 @@ class SparseMoeBlock(nn.Module):
         router_logits, shared_gate, gate, up = ops.linear.merged_linear(
             x, [self.gate.weight, self.shared_expert_gate.weight, sh.gate_proj.weight, sh.up_proj.weight])
         weights, ids = ops.moe.route(router_logits, self.gate.top_k, self.gate.norm_topk_prob)
-        experts = self.experts
-        return ops.moe.sparse_moe(x, experts.gate_up_proj, experts.down_proj, ids, weights, gate, up,
-                                  sh.down_proj.weight, shared_gate)
+        routed = self.experts(x, weights, ids)
+        return ops.moe.add_shared_expert(routed, shared_gate, sh.down_proj(ops.moe.silu_mul(gate, up)))

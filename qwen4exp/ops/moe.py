@@ -7,24 +7,13 @@ from . import compiled_on_gpu
 
 
 @compiled_on_gpu
-def route_ref(logits, top_k: int, renormalize: bool):
+def route(logits, top_k: int, renormalize: bool):
     """Softmax router: logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k]); softmax in fp32."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids
-
-
-def route(logits, top_k: int, renormalize: bool):
-    """Dispatch: one fused Triton launch on the GPU (inductor leaves topk as two separate kernels)."""
-    from . import fast_path
-
-    if fast_path(logits) and logits.shape[-1] <= 4096:
-        from .triton_moe import route_triton
-
-        return route_triton(logits, top_k, renormalize)
-    return route_ref(logits, top_k, renormalize)
 
 
 @compiled_on_gpu
@@ -58,28 +47,6 @@ def moe_experts_ref(
 
 # Above this many (token, expert) pairs the grouped GEMM beats the Triton kernel (set from bench/ on an H200).
 GROUPED_MM_MIN_PAIRS = 4096
-
-
-def sparse_moe(x, gate_up, down, topk_ids, topk_weights, shared_gate, shared_up, shared_down, shared_gate_logit):
-    """The MoE block's output: routed experts + sigmoid(shared_gate_logit) * down(silu(shared_gate) * shared_up).
-
-    shared_gate/up [N, Is] and shared_gate_logit [N, 1] come from the router's merged GEMM; shared_down [H, Is].
-    At decode sizes on the GPU one kernel sums each token's experts and the gated shared expert."""
-    from . import fast_path
-
-    if fast_path(x) and topk_ids.numel() <= _pairwise_max_pairs():
-        from .triton_moe import pairwise_moe
-
-        return pairwise_moe(x, gate_up, down, topk_ids, topk_weights,
-                            shared=(shared_gate, shared_up, shared_down, shared_gate_logit))
-    routed = moe_experts(x, gate_up, down, topk_ids, topk_weights)
-    return add_shared_expert(routed, shared_gate_logit, F.linear(silu_mul(shared_gate, shared_up), shared_down))
-
-
-def _pairwise_max_pairs() -> int:
-    from .triton_moe import PAIRWISE_MAX_PAIRS
-
-    return PAIRWISE_MAX_PAIRS
 
 
 def moe_experts(x, gate_up, down, topk_ids, topk_weights) -> torch.Tensor:

@@ -296,55 +296,27 @@ def _pair_gate_up_kernel(
 
 
 @triton.jit
-def _pair_down_sum_kernel(
+def _pair_down_kernel(
     act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter,
     stride_an, stride_we, stride_wr, stride_on,
-    sg_ptr, su_ptr, sw_ptr, sl_ptr, shared_inter, stride_sg, stride_su, stride_swr, stride_sl,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUND: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One token x one tile of the hidden dim: sum_j w_j * down_{e_j}(act_j) [+ sigmoid(l) * down_sh(silu(g) * u)].
-
-    Summing a token's k pairs (and the gated shared expert) here, in one fp32 accumulator, replaces a [pairs, H]
-    buffer, its reduction, the shared expert's GEMV and the gated add: four launches per layer at decode."""
-    token = tl.program_id(0).to(tl.int64)
+    """One pair x one tile of the hidden dim: routing weight * down_e(act)."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < hidden
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w_base = w_ptr + expert * stride_we
-        for k0 in range(0, inter, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < inter
-            a = tl.load(act_ptr + pair * stride_an + cols, mask=col_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_base + rows[:, None] * stride_wr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc += w * a[None, :]
-        total += tl.sum(acc, axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
-    if HAS_SHARED:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, shared_inter, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < shared_inter
-            g = tl.load(sg_ptr + token * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
-            u = tl.load(su_ptr + token * stride_su + cols, mask=col_ok, other=0.0).to(tl.float32)
-            # silu(g) * u rounded to the activations' dtype, as the unfused shared expert's input is
-            a = (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty, fp_downcast_rounding=ROUND).to(tl.float32)
-            w = tl.load(sw_ptr + rows[:, None] * stride_swr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc += w * a[None, :]
-        total += tl.sum(acc, axis=1) * tl.sigmoid(tl.load(sl_ptr + token * stride_sl).to(tl.float32))
-    tl.store(out_ptr + token * stride_on + rows, total.to(out_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
-             mask=row_ok)
-
-
-def _rounding(dtype: torch.dtype) -> str | None:
-    """Round-to-nearest-even for narrowing casts, stated explicitly because the interpreter truncates by default
-    (the GPU already rounds to nearest); fp32 outputs are no narrowing cast, where Triton rejects a mode."""
-    return None if dtype == torch.float32 else "rtne"
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_base = w_ptr + expert * stride_we
+    for k0 in range(0, inter, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < inter
+        a = tl.load(act_ptr + pair * stride_an + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_base + rows[:, None] * stride_wr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += w * a[None, :]
+    out = tl.sum(acc, axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * stride_on + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 # Up to this many (token, expert) pairs, one GEMV-style program per pair beats sorting the pairs by expert:
@@ -352,10 +324,8 @@ def _rounding(dtype: torch.dtype) -> str | None:
 PAIRWISE_MAX_PAIRS = 96
 
 
-def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, block_n: int = 16,
-                 block_k: int = 256) -> torch.Tensor:
-    """Same contract as fused_moe, for small batches: no sorting, two launches. With `shared` = (gate [N, Is],
-    up [N, Is], down_weight [H, Is], gate_logit [N, 1]), adds sigmoid(gate_logit) * down(silu(gate) * up)."""
+def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, block_n: int = 16, block_k: int = 256) -> torch.Tensor:
+    """Same contract as fused_moe, for small batches: no sorting, three launches."""
     num_tokens, hidden = x.shape
     inter = down.shape[2]
     top_k = topk_ids.shape[1]
@@ -367,61 +337,12 @@ def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, block_n:
         x, gate_up, ids, act, top_k, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         act.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    if shared is None:
-        sg = su = sw = sl = act  # unused
-        shared_inter, strides = 0, (0, 0, 0, 0)
-    else:
-        sg, su, sw, sl = shared
-        assert sg.stride(-1) == su.stride(-1) == sw.stride(-1) == 1
-        shared_inter, strides = sw.shape[1], (sg.stride(0), su.stride(0), sw.stride(0), sl.stride(0))
-    _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    _pair_down_kernel[(pairs, triton.cdiv(hidden, 2 * block_n))](
         act, down, ids, wts, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        sg, su, sw, sl, shared_inter, *strides,
-        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK_N=block_n, BLOCK_K=block_k, ROUND=_rounding(x.dtype),
-        num_warps=4,
+        BLOCK_N=2 * block_n, BLOCK_K=block_k, num_warps=4,
     )
-    return out
-
-
-@triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, ROUND: tl.constexpr):
-    """One token: softmax over the experts in fp32, the top-k by repeated argmax (lowest index among equals),
-    optionally renormalised; weights in the logits' dtype, in descending order."""
-    n = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    valid = e < num_experts
-    x = tl.load(logits_ptr + n * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = tl.where(valid, p, 0.0)
-    p = p / tl.sum(p, axis=0)
-    remaining = tl.where(valid, p, -1.0)
-    rank = tl.full((BLOCK_E,), -1, dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        pick = tl.min(tl.where(remaining == best, e, BLOCK_E), axis=0)
-        rank = tl.where(e == pick, j, rank)
-        remaining = tl.where(e == pick, -2.0, remaining)
-    chosen = rank >= 0
-    w = p
-    if RENORMALIZE:
-        w = p / tl.sum(tl.where(chosen, p, 0.0), axis=0)
-    tl.store(weights_ptr + n * TOP_K + rank, w.to(weights_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
-             mask=chosen)
-    tl.store(ids_ptr + n * TOP_K + rank, e.to(tl.int64), mask=chosen)
-
-
-def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as qwen4exp.ops.moe.route_ref, one launch (softmax, top-k and renormalisation fused)."""
-    n, num_experts = logits.shape
-    weights = torch.empty(n, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
-    if n:
-        _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
-                            RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                            ROUND=_rounding(logits.dtype), num_warps=4)
-    return weights, ids
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_moe(
