@@ -15,26 +15,14 @@ import os
 import sys
 import tempfile
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from qwen4exp import LLM, SamplingParams  # noqa: E402
-from qwen4exp.bench.offline import random_prompts  # noqa: E402
+from qwen4exp import LLM  # noqa: E402
+from qwen4exp.bench.offline import random_prompts, teacher_forced  # noqa: E402
 from qwen4exp.config import load_model_config  # noqa: E402
 from qwen4exp.weights.loader import table_names  # noqa: E402
 from qwen4exp.weights.random_checkpoint import preset_config  # noqa: E402
-
-
-def teacher_forced(llm, prompts):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                        use_tqdm=False)
-    lps, top = [], []
-    for o in outs:
-        for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:]):
-            lps.append(d[t].logprob)
-            top.append(min(d, key=lambda k: d[k].rank))
-    return torch.tensor(lps), torch.tensor(top)
 
 
 def main():

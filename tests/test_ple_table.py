@@ -12,6 +12,7 @@ from helpers import hf_config, hf_model, our_llm, random_prompt
 
 import qwen4exp.ops.table_gather as table_gather
 from qwen4exp import SamplingParams
+from qwen4exp.bench.offline import teacher_forced
 from qwen4exp.config import ConfigError, EngineConfig, load_model_config
 from qwen4exp.weights import ngram_table
 from qwen4exp.weights.loader import WeightLoadError, load_model, table_names
@@ -108,30 +109,18 @@ def test_fp8_quantisation_round_trip_is_bounded():
     assert err.max() > 0  # it is a lossy format: the bound is what is tested
 
 
-def _teacher_forced(llm, prompts):
-    """Prompt logprob of each actual next token, and the top-1 token, at every prompt position."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                        use_tqdm=False)
-    lps, top = [], []
-    for o in outs:
-        for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:]):
-            lps.append(d[t].logprob)
-            top.append(min(d, key=lambda k: d[k].rank))
-    return torch.tensor(lps), torch.tensor(top)
-
-
 def test_fp8_table_logprob_drift_against_bf16_table(hf):
     """fp8 table (one scale per table) against a bf16 table, same fp32 model, teacher-forced: the drift is a small
     fraction of what dropping the n-gram rows altogether does. The measured figures are printed."""
     gen = torch.Generator().manual_seed(2)
     prompts = [random_prompt(gen, n, hf.config.vocab_size, eos_every=6) for n in (60, 120, 200)]
-    bf16 = _teacher_forced(our_llm(hf, ple_table_dtype="bfloat16"), prompts)
+    bf16 = teacher_forced(our_llm(hf, ple_table_dtype="bfloat16"), prompts)
     llm = our_llm(hf, ple_table_dtype="fp8")
     assert all(t.dtype == FP8 for t in _tables(llm))
-    fp8 = _teacher_forced(llm, prompts)
+    fp8 = teacher_forced(llm, prompts)
     for table in _tables(llm):
         table.data.zero_()
-    zero = _teacher_forced(llm, prompts)
+    zero = teacher_forced(llm, prompts)
     drift, zero_drift = (fp8[0] - bf16[0]).abs(), (zero[0] - bf16[0]).abs()
     agree = (fp8[1] == bf16[1]).float().mean().item()
     print(f"\nfp8 vs bf16 table over {drift.numel()} positions: mean |dlogprob| {drift.mean():.4f}, max "

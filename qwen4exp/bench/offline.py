@@ -72,3 +72,16 @@ def prefill(engine, input_len: int, iters: int = 3) -> dict:
     times = sorted(times[1:])  # the first run compiles kernels
     med = times[len(times) // 2]
     return {"input_len": input_len, "ttft_s": med, "prefill_tok_s": input_len / med, "ttfts_s": times}
+
+
+def teacher_forced(llm, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under teacher forcing, at every prompt position after the first: the logprob of the actual next token and the
+    top-1 token id (`llm` is a qwen4exp.LLM). For comparing two configurations of one model position by position."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                        use_tqdm=False)
+    lps, top = [], []
+    for o in outs:
+        for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:]):
+            lps.append(d[t].logprob)
+            top.append(min(d, key=lambda k: d[k].rank))
+    return torch.tensor(lps), torch.tensor(top)
