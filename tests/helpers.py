@@ -65,3 +65,39 @@ def random_prompt(gen: torch.Generator, length: int, vocab: int, eos_every: int 
         for i in range(eos_every // 2, length, eos_every):
             ids[i] = EOS
     return ids
+
+
+_LOAD_RSS_SCRIPT = """
+import json, sys, torch
+from qwen4exp.config import load_model_config
+from qwen4exp.model import Qwen4ExpForCausalLM
+from qwen4exp.weights.loader import load_model, table_names
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+d, kwargs = sys.argv[1], json.loads(sys.argv[2])
+cfg = load_model_config(d)
+with torch.device("meta"):  # the first model construction imports modules lazily (~80 MB): not loading's cost
+    Qwen4ExpForCausalLM(cfg)
+open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from the current RSS
+before = status("VmRSS")
+m = load_model(cfg, d, torch.float32, "cpu", **kwargs)
+peak = status("VmHWM") - before
+sizes = {n: p.numel() * p.element_size() for n, p in m.named_parameters()}
+print(json.dumps({"peak": peak, "sizes": sizes, "tables": table_names(m)}))
+"""
+
+
+def load_peak_rss(model_dir: str, **load_kwargs) -> tuple[int, dict[str, int], list[str]]:
+    """Peak resident memory added while `load_model` (fp32, CPU) loads `model_dir` in a fresh process, with the
+    loaded parameters' sizes in bytes and the n-gram table names."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LOAD_RSS_SCRIPT, model_dir, json.dumps(load_kwargs)],
+                         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["peak"], result["sizes"], result["tables"]

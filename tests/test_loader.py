@@ -1,11 +1,10 @@
 """Checkpoint loading: layouts, shards, and errors that list the offending tensors by name."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import load_peak_rss
 from safetensors.torch import save_file
 
 from qwen4exp.config import load_model_config
@@ -132,26 +131,10 @@ def test_dummy_load_format_needs_no_files(tiny_dir):
     assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in m.parameters())
 
 
-_RSS_SCRIPT = """
-import resource, sys, torch
-from qwen4exp.config import load_model_config
-from qwen4exp.weights.loader import load_model
-d = sys.argv[1]
-cfg = load_model_config(d)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-m = load_model(cfg, d, torch.float32, "cpu")
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-size = sum(p.numel() * p.element_size() for p in m.parameters())
-largest = max(p.numel() * p.element_size() for p in m.parameters())
-print(before, after, size, largest)
-"""
-
-
 @pytest.mark.slow
 def test_loading_streams_one_tensor_at_a_time(tmp_path):
     """Peak memory while loading stays near one copy of the model (not two)."""
     d = make_random(str(tmp_path / "small"), "small", dtype="float32", seed=0)
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, d], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
-    before, after, size, largest = map(int, out.stdout.split())
-    assert after - before <= size + 2 * largest + (64 << 20), (after - before, size, largest)
+    peak, sizes, _ = load_peak_rss(d)
+    size, largest = sum(sizes.values()), max(sizes.values())
+    assert peak <= size + 2 * largest + (64 << 20), (peak, size, largest)

@@ -2,13 +2,10 @@
 prefetch issued before the first layer, and streaming loads whose peak memory is one shard above the table."""
 
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import hf_config, hf_model, our_llm, random_prompt
+from helpers import hf_config, hf_model, load_peak_rss, our_llm, random_prompt
 
 import qwen4exp.ops.table_gather as table_gather
 from qwen4exp import SamplingParams
@@ -196,31 +193,6 @@ def test_auto_places_the_table_on_the_host_when_the_gpu_budget_is_short(monkeypa
         assert resolve_table_on_host("gpu", cuda, 48 * gib, 75 * gib, 0.9) is False
 
 
-_RSS_SCRIPT = """
-import sys, torch
-from qwen4exp.config import load_model_config
-from qwen4exp.model import Qwen4ExpForCausalLM
-from qwen4exp.weights.loader import load_model, table_names
-
-def status(key):
-    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
-
-d, dtype = sys.argv[1], sys.argv[2]
-cfg = load_model_config(d)
-with torch.device("meta"):  # the first model construction imports modules lazily (~80 MB): not loading's cost
-    Qwen4ExpForCausalLM(cfg)
-open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from the current RSS
-before = status("VmRSS")
-m = load_model(cfg, d, torch.float32, "cpu", ple_table_device="cpu", ple_table_dtype=dtype)
-after = status("VmHWM")
-tables = set(table_names(m))
-params = dict(m.named_parameters())
-table = sum(params[n].numel() * params[n].element_size() for n in tables)
-other = sum(p.numel() * p.element_size() for n, p in params.items() if n not in tables)
-print(before, after, table, other)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "fp8"])
 def test_sharded_table_streams_into_its_destination(tmp_path, dtype):
@@ -229,13 +201,13 @@ def test_sharded_table_streams_into_its_destination(tmp_path, dtype):
     d = make_random(str(tmp_path / "big-table"), "tiny", dtype="float32", seed=0,
                     overrides=dict(ngram_vocab_size_base=200_000, ple_embed_dim=128, split_ngram_parts=16))
     shard = max(t.numel() * t.element_size() for n, t in iterate_files(checkpoint_files(d)) if ".shard_" in n)
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, d, dtype], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
-    before, after, table, other = map(int, out.stdout.split()[-4:])
+    peak, sizes, tables = load_peak_rss(d, ple_table_device="cpu", ple_table_dtype=dtype)
+    table = sum(sizes[n] for n in tables)
+    other = sum(sizes.values()) - table
     assert table >= 4 * shard  # the table dominates, so a second copy of it would show
-    print(f"\npeak RSS while loading: {(after - before) / 2**20:.1f} MiB; table {table / 2**20:.1f} MiB, shard "
+    print(f"\npeak RSS while loading: {peak / 2**20:.1f} MiB; table {table / 2**20:.1f} MiB, shard "
           f"{shard / 2**20:.1f} MiB, rest {other / 2**20:.1f} MiB")
-    assert after - before <= table + shard + other + (32 << 20), (after - before, table, shard, other)
+    assert peak <= table + shard + other + (32 << 20), (peak, table, shard, other)
 
 
 def test_host_tables_are_unregistered_and_forgotten_when_freed():

@@ -52,4 +52,6 @@ def reference_ops():
         _force_reference = saved
 
 
-from . import attention, conv, gated_delta, hyper_connection, linear, moe, ngram, norm, rotary, table_gather  # noqa: E402,F401,E501
+from . import (  # noqa: E402,F401
+    attention, conv, gated_delta, hyper_connection, linear, moe, ngram, norm, rotary, table_gather,
+)

@@ -59,14 +59,17 @@ def build_model(
     device,
     tables_on_host: bool = False,
     table_dtype: torch.dtype | None = None,
+    model: Qwen4ExpForCausalLM | None = None,
 ) -> Qwen4ExpForCausalLM:
     """Allocate the model directly on `device` (parameters uninitialised; fp32 kept for A_log and dt_bias).
 
     The n-gram tables are stored in `table_dtype` (default `dtype`), with the model or in host memory; a host table
-    of a GPU model is page-locked so that kernels read its rows in place."""
+    of a GPU model is page-locked so that kernels read its rows in place. `model`: the config's model on the meta
+    device, if the caller already built one."""
     device = torch.device(device)
-    with torch.device("meta"):
-        model = Qwen4ExpForCausalLM(config)
+    if model is None:
+        with torch.device("meta"):
+            model = Qwen4ExpForCausalLM(config)
     tables = set(table_names(model))
     for module_name, module in model.named_modules():
         for name, p in list(module.named_parameters(recurse=False)):
@@ -217,7 +220,7 @@ def load_weights(
                              f"{table.removesuffix('.weight')}.weight_scale")
         scale = (table_scales or {}).get(table, 1.0) if dest.dtype == FP8 and table not in fp8_source else 1.0
         buffers[table + "_scale"].fill_(scale * checkpoint_scales.get(table, 1.0))
-        place = ("page-locked " if dest.is_pinned() else "") + "host memory" if on_host(dest) else str(dest.device)
+        place = (("page-locked " if dest.is_pinned() else "") + "host memory") if on_host(dest) else str(dest.device)
         logger.info("%s: %d x %d %s in %s (%.2f GiB), loaded in %.1f s", table, dest.shape[0], dest.shape[1],
                     str(dest.dtype).removeprefix("torch."), place, dest.numel() * dest.element_size() / 2**30,
                     time.perf_counter() - t0)
@@ -283,15 +286,13 @@ def dummy_weights_(model: Qwen4ExpForCausalLM, seed: int = 0) -> None:
         fill_(name, p.data, g)
 
 
-def _table_bytes(config: ModelConfig, table_dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the n-gram tables in table_dtype, number of every other parameter)."""
-    with torch.device("meta"):
-        model = Qwen4ExpForCausalLM(config)
+def _weight_bytes(model: Qwen4ExpForCausalLM, dtype: torch.dtype, table_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the n-gram tables in table_dtype, bytes of every other parameter in dtype)."""
     tables = set(table_names(model))
-    size = torch.tensor([], dtype=table_dtype).element_size()
-    table = sum(p.numel() for n, p in model.named_parameters() if n in tables) * size
+    table = sum(p.numel() for n, p in model.named_parameters() if n in tables)
     other = sum(p.numel() for n, p in model.named_parameters() if n not in tables)
-    return table, other
+    size = lambda dt: torch.tensor([], dtype=dt).element_size()  # noqa: E731
+    return table * size(table_dtype), other * size(dtype)
 
 
 def load_model(
@@ -310,7 +311,7 @@ def load_model(
     (name, tensor)) overrides the files, e.g. for weights already in memory.
 
     ple_table_device: "gpu" (with the model), "cpu" (host memory, page-locked for a GPU model) or "auto" (the GPU
-    when it fits, see ngram_table.resolve_table_device). ple_table_dtype: "auto" (fp8 if the checkpoint's table is,
+    when it fits, see ngram_table.resolve_table_on_host). ple_table_dtype: "auto" (fp8 if the checkpoint's table is,
     else the model dtype), "fp8" (e4m3 with one scale per table), or a float dtype name."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format: unknown value {load_format!r} (expected auto, safetensors or dummy)")
@@ -324,11 +325,11 @@ def load_model(
     if infos is not None:
         source_dtype = next((dt for n, (_, dt) in infos.items() if _table_of(n)), None)
     table_dtype = resolve_table_dtype(ple_table_dtype, dtype, source_dtype)
-    table_bytes, other_params = _table_bytes(config, table_dtype)
+    with torch.device("meta"):
+        meta = Qwen4ExpForCausalLM(config)
     on_host = bool(config.ple_layer_ids) and resolve_table_on_host(
-        ple_table_device, device, table_bytes, other_params * torch.tensor([], dtype=dtype).element_size(),
-        gpu_memory_utilization)
-    model = build_model(config, dtype, device, on_host, table_dtype)
+        ple_table_device, device, *_weight_bytes(meta, dtype, table_dtype), gpu_memory_utilization)
+    model = build_model(config, dtype, device, on_host, table_dtype, model=meta)
     tables = table_names(model)
     if load_format == "dummy":
         dummy_weights_(model, seed)
