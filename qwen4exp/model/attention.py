@@ -37,7 +37,7 @@ class QSAIndexer(nn.Module):
         if meta.new_block_slots.numel():
             bcos, bsin = block_rope
             block_key = ops.attention.pool_block_keys(
-                cache.index_key.view(-1, self.head_dim), meta.new_block_token_slots, self.k_layernorm.weight,
+                meta.new_block_token_slots, cache.index_key.view(-1, self.head_dim), self.k_layernorm.weight,
                 self.k_layernorm.eps, bcos, bsin)
             ops.attention.write_slots(cache.block_key, block_key, meta.new_block_slots)
         if meta.max_seq_len <= self.budget + self.compress_ratio - 1:

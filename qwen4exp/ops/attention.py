@@ -18,9 +18,10 @@ from .rotary import apply_rope
 
 
 @compiled_on_gpu
-def pool_block_keys(flat_keys, token_slots, norm_weight, eps: float, cos, sin):
+def pool_block_keys(token_slots, flat_keys, norm_weight, eps: float, cos, sin):
     """Compressed key of each block: RMSNorm(mean of its C raw keys (fp32 mean, rounded)), rotated at the block's
-    first position. flat_keys [rows, Di]; token_slots [NB, C]; cos/sin [NB, R]. Returns [NB, Di]."""
+    first position. token_slots [NB, C] (first: NB is the size that varies); flat_keys [rows, Di]; cos/sin [NB, R].
+    Returns [NB, Di]."""
     pooled = flat_keys[token_slots].float().mean(dim=1).to(flat_keys.dtype)
     return apply_rope.eager(rms_norm.eager(pooled, norm_weight, eps), cos, sin)
 

@@ -5,7 +5,7 @@ import torch
 from . import compiled_on_gpu
 
 
-@compiled_on_gpu
+@compiled_on_gpu(token_dim=-1)
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, mrope_section=None):
     """positions: [T] (text) or [3, T] (t, h, w rows); inv_freq: [R/2] fp32. Returns cos, sin: [T, R] in `dtype`.
 
