@@ -31,8 +31,9 @@ class GatedResidual(nn.Module):
         if self.block_inject_weight is not None:
             weights.append(self.block_inject_weight.weight)
         return ops.hyper_connection.hc_mix(
-            streams, self.hc_norm.weight, ops.linear.merged_weight(weights), self.input_mix_weight_up.weight,
-            self.hc_norm.eps, self.hc_count, self.input_mix_weight_down.weight.shape[0],
+            streams, self.hc_norm.weight, ops.linear.merged_weight(weights, padded=True),
+            self.input_mix_weight_up.weight, self.hc_norm.eps, self.hc_count,
+            self.input_mix_weight_down.weight.shape[0], self.block_inject_weight is not None,
         )
 
 

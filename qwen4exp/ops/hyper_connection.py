@@ -8,21 +8,22 @@ from .norm import rms_norm
 
 
 @compiled_on_gpu
-def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int):
-    """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc] or None).
+def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool):
+    """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc] or None without `inject`).
 
     normed = per-stream RMSNorm(streams); gate = sigmoid(W_up silu(W_down normed / hc));
     input = mean over streams of gate * normed; inject = 2 sigmoid(W_inject normed / hc).
-    w_down_inject holds W_down's `rank` rows, then W_inject's hc rows when the block injects (one GEMM for both).
+    w_down_inject holds W_down's `rank` rows, then W_inject's hc rows when the block injects (one GEMM for both),
+    then possibly padding rows (ignored).
     """
     hidden = streams.shape[-1] // hc
     normed = rms_norm.eager(streams, norm_weight, eps, hidden)
     down_inject = F.linear(normed, w_down_inject)
     gate = torch.sigmoid(F.linear(F.silu(down_inject[:, :rank] / hc), w_up))
     mixed = (gate * normed).unflatten(-1, (hc, hidden)).mean(dim=-2)
-    if down_inject.shape[-1] == rank:
+    if not inject:
         return mixed, None
-    return mixed, 2 * torch.sigmoid(down_inject[:, rank:] / hc)
+    return mixed, 2 * torch.sigmoid(down_inject[:, rank: rank + hc] / hc)
 
 
 @compiled_on_gpu

@@ -3,14 +3,21 @@
 `build_model` lays the weights of projections that read the same input (e.g. GDN's in_proj_qkv/z/b/a) out as
 adjacent rows of one buffer, each parameter a view keeping its checkpoint name. Reading them as one [sum(out), in]
 matrix turns several small GEMMs into one larger, better-fed one, with no extra copy of the weights.
+
+The buffer ends with zero rows up to a multiple of ROW_ALIGN: an output row of 1409 bf16 values (the MoE router,
+shared gate and shared expert) is not 16-byte aligned, and cuBLAS then falls back to a kernel 3-4x slower.
 """
 
 import torch
 import torch.nn.functional as F
 
 
-def merged_weight(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The weights as one matrix: a view when they are adjacent rows of one storage, else a concatenated copy."""
+ROW_ALIGN = 8
+
+
+def merged_weight(weights: list[torch.Tensor], padded: bool = False) -> torch.Tensor:
+    """The weights as one matrix: a view when they are adjacent rows of one storage, else a concatenated copy.
+    With `padded`, the view also covers the buffer's zero rows (if present) up to a multiple of ROW_ALIGN."""
     first = weights[0]
     if len(weights) == 1:
         return first
@@ -20,8 +27,13 @@ def merged_weight(weights: list[torch.Tensor]) -> torch.Tensor:
         adjacent = adjacent and w.is_contiguous() and w.dtype == first.dtype and w.shape[1:] == first.shape[1:] and (
             w.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size())
         rows += w.shape[0]
-    if adjacent and first.untyped_storage().nbytes() >= (
-            first.storage_offset() * first.element_size() + rows * first[0].numel() * first.element_size()):
+    def fits(n):
+        return first.untyped_storage().nbytes() >= (
+            first.storage_offset() * first.element_size() + n * first[0].numel() * first.element_size())
+
+    if adjacent and fits(rows):
+        if padded and fits(rows + (-rows) % ROW_ALIGN):
+            rows += (-rows) % ROW_ALIGN
         return first.as_strided((rows, *first.shape[1:]), first.stride())
     return torch.cat(weights)
 
@@ -31,8 +43,10 @@ def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list | N
     bias = None
     if biases is not None and any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else x.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-    y = F.linear(x, merged_weight(weights), bias)
-    return list(y.split([w.shape[0] for w in weights], dim=-1))
+    w = merged_weight(weights, padded=bias is None)
+    y = F.linear(x, w, bias)
+    sizes = [w.shape[0] for w in weights]
+    return list(y.split(sizes + [y.shape[-1] - sum(sizes)], dim=-1))[: len(weights)]
 
 
 def merge_rows_(module_weights: list[tuple[torch.nn.Module, str]]) -> None:
@@ -40,8 +54,10 @@ def merge_rows_(module_weights: list[tuple[torch.nn.Module, str]]) -> None:
     params = [getattr(m, n) for m, n in module_weights]
     if len({(p.dtype, p.device, p.shape[1:]) for p in params}) != 1:
         return
-    buf = torch.empty((sum(p.shape[0] for p in params), *params[0].shape[1:]), dtype=params[0].dtype,
+    rows = sum(p.shape[0] for p in params)
+    buf = torch.empty((rows + (-rows) % ROW_ALIGN, *params[0].shape[1:]), dtype=params[0].dtype,
                       device=params[0].device)
+    buf[rows:].zero_()
     row = 0
     for (m, n), p in zip(module_weights, params):
         setattr(m, n, torch.nn.Parameter(buf[row: row + p.shape[0]], requires_grad=False))
