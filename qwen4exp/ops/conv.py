@@ -38,24 +38,16 @@ def causal_conv1d_ref(
 
 
 def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: str | None = "silu"):
-    """Step-level dispatch: one-token requests (the first meta.num_decode_reqs) take the fused update kernel on
-    GPU; longer chunks and the CPU take the reference."""
+    """Step-level dispatch. GPU: a step of one-token requests takes the fused update kernel (graph capturable),
+    any other step the varlen kernel over the whole flat batch. CPU: the reference."""
     from . import fast_path
 
-    qsl = meta.query_start_loc_cpu
     if not fast_path(x):
-        return causal_conv1d_ref(x, weight, conv_state, qsl, meta.state_slots_cpu, meta.has_initial_state, dilation,
-                                 activation)
-    from .triton_conv import causal_conv1d_update
+        return causal_conv1d_ref(x, weight, conv_state, meta.query_start_loc_cpu, meta.state_slots_cpu,
+                                 meta.has_initial_state, dilation, activation)
+    from .triton_conv import causal_conv1d_update, causal_conv1d_varlen
 
-    d = meta.num_decode_reqs
-    if d == meta.num_reqs:
+    if meta.num_decode_reqs == meta.num_reqs:
         return causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation, activation)
-    out = torch.empty_like(x)
-    if d:
-        out[:d] = causal_conv1d_update(x[:d], weight, conv_state, meta.state_slots[:d], meta.has_initial[:d],
-                                       dilation, activation)
-    if d < meta.num_reqs:
-        out[d:] = causal_conv1d_ref(x[d:], weight, conv_state, [q - d for q in qsl[d:]], meta.state_slots_cpu[d:],
-                                    meta.has_initial_state[d:], dilation, activation)
-    return out
+    return causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.token_req, meta.token_local,
+                                meta.state_slots, meta.has_initial, dilation, activation)

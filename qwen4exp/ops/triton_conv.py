@@ -160,3 +160,114 @@ def causal_conv1d_update_ref(
         intermediate_states.copy_(after.transpose(1, 2))
     conv_state[state_slots] = history[:, :, lq:]
     return y.transpose(1, 2).reshape(total, channels).to(x.dtype)
+
+
+# ----- prefill: any number of requests of any length in one flat batch -----
+
+@triton.jit
+def _conv1d_varlen_out_kernel(
+    x_ptr, w_ptr, state_ptr, req_ptr, local_ptr, slots_ptr, has_init_ptr, out_ptr,
+    T, C,
+    stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
+    K: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    t_ok, c_ok = offs_t < T, offs_c < C
+    req = tl.load(req_ptr + offs_t, mask=t_ok, other=0)
+    local = tl.load(local_ptr + offs_t, mask=t_ok, other=0)
+    slot = tl.load(slots_ptr + req, mask=t_ok, other=0)
+    init = tl.load(has_init_ptr + req, mask=t_ok, other=0) != 0
+    ok = t_ok[:, None] & c_ok[None, :]
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        back = (K - 1 - j) * DIL  # tap j reads the input `back` positions before the token
+        src = local - back
+        from_x = src >= 0
+        xv = tl.load(x_ptr + tl.maximum(offs_t - back, 0)[:, None] * stride_xt + offs_c[None, :] * stride_xc,
+                     mask=ok & from_x[:, None], other=0.0)
+        # inputs live on in the state's dtype, so they are rounded to it here too (as the reference does)
+        xv = xv.to(state_ptr.dtype.element_ty).to(tl.float32)
+        sv = tl.load(state_ptr + slot[:, None] * stride_ss + offs_c[None, :] * stride_sc
+                     + tl.maximum(LST + src, 0)[:, None] * stride_sl,
+                     mask=ok & (~from_x & init)[:, None], other=0.0).to(tl.float32)
+        wj = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+        acc += tl.where(from_x[:, None], xv, sv) * wj[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_c[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def _conv1d_varlen_state_kernel(
+    x_ptr, state_ptr, qsl_ptr, slots_ptr, has_init_ptr,
+    C,
+    stride_xt, stride_xc, stride_ss, stride_sc, stride_sl,
+    LST: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
+):
+    r = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    offs_p = tl.arange(0, LP)
+    start = tl.load(qsl_ptr + r)
+    n = tl.load(qsl_ptr + r + 1) - start
+    slot = tl.load(slots_ptr + r)
+    init = tl.load(has_init_ptr + r).to(tl.int32)
+    c_ok, p_ok = offs_c < C, offs_p < LST
+    # scalar conditions as full-shape masks (the interpreter rejects scalar & tile)
+    zero = tl.zeros([BC, LP], dtype=tl.int32)
+    init2d, nonempty = (zero + init) != 0, (zero + n) > 0
+    pos = n + offs_p  # new state position p = position n + p of the window [old state (LST), inputs (n)]
+    in_state = pos < LST
+    base = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
+    old = tl.load(base + tl.minimum(pos, LST - 1)[None, :] * stride_sl,
+                  mask=c_ok[:, None] & (p_ok & in_state)[None, :] & init2d, other=0.0)
+    xv = tl.load(x_ptr + (start + tl.maximum(pos - LST, 0))[None, :] * stride_xt + offs_c[:, None] * stride_xc,
+                 mask=c_ok[:, None] & (p_ok & ~in_state)[None, :], other=0.0)
+    new = tl.where(in_state[None, :], old, xv.to(state_ptr.dtype.element_ty))
+    tl.debug_barrier()  # the shift moves values between positions that other threads may still be reading
+    tl.store(base + offs_p[None, :] * stride_sl, new, mask=c_ok[:, None] & p_ok[None, :] & nonempty)
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    token_req: torch.Tensor,
+    token_local: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dilation: int = 1,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """`ops.conv.causal_conv1d_ref`'s contract for a whole flat batch in two launches: x [T, C]; request r owns rows
+    query_start_loc[r]:query_start_loc[r+1] (token_req / token_local: each row's request and index within it) and
+    state row state_slots[r]. Outputs are accumulated in fp32; the states are updated in place."""
+    total, channels = x.shape
+    kernel = weight.shape[1]
+    state_len = (kernel - 1) * dilation
+    assert conv_state.shape[1:] == (channels, state_len), "conv_state must be [S, C, (K-1)*dilation]"
+    silu = _check_activation(activation)
+    out = torch.empty((total, channels), dtype=x.dtype, device=x.device)
+    num_reqs = state_slots.shape[0]
+    if total == 0 or num_reqs == 0:
+        return out
+    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    bt, bc = 32, min(128, triton.next_power_of_2(channels))
+    _conv1d_varlen_out_kernel[(triton.cdiv(total, bt), triton.cdiv(channels, bc))](
+        x, weight, conv_state, token_req, token_local, state_slots, has_init, out,
+        total, channels,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(),
+        out.stride(0), out.stride(1),
+        K=kernel, LST=state_len, DIL=dilation, BT=bt, BC=bc, SILU=silu, num_warps=4,
+    )
+    lp = triton.next_power_of_2(state_len)
+    bcs = min(triton.next_power_of_2(channels), max(16, 2048 // lp))
+    _conv1d_varlen_state_kernel[(num_reqs, triton.cdiv(channels, bcs))](
+        x, conv_state, query_start_loc, state_slots, has_init,
+        channels,
+        x.stride(0), x.stride(1), *conv_state.stride(),
+        LST=state_len, LP=lp, BC=bcs, num_warps=4,
+    )
+    return out

@@ -10,9 +10,10 @@ import torch
 from conftest import on_device
 
 from qwen4exp.ops.conv import causal_conv1d_ref as causal_conv1d
-from qwen4exp.ops.triton_conv import causal_conv1d_update, causal_conv1d_update_ref
+from qwen4exp.ops.triton_conv import causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen
 
 causal_conv1d_update = on_device(causal_conv1d_update)
+causal_conv1d_varlen = on_device(causal_conv1d_varlen)
 
 NUM_SLOTS = 9
 
@@ -118,3 +119,42 @@ def test_spec_tokens_match_single_steps():
         torch.testing.assert_close(out.reshape(B, lq, channels)[:, t], o, rtol=1e-6, atol=1e-7)
         assert torch.equal(inter[:, t], single[slots])
     assert torch.equal(state, single)
+
+
+@pytest.mark.parametrize(
+    "channels,kernel,dilation,dtype,state_dtype,activation",
+    [
+        (40, 4, 1, torch.float32, torch.float32, "silu"),
+        (300, 4, 3, torch.float32, torch.float32, None),  # several channel tiles; requests shorter than the state
+        (24, 2, 1, torch.float32, torch.float32, "silu"),
+        (40, 4, 1, torch.bfloat16, torch.bfloat16, "silu"),
+        (24, 4, 3, torch.float32, torch.bfloat16, "silu"),  # inputs are rounded to the state's dtype
+    ],
+)
+def test_varlen_prefill_matches_reference(channels, kernel, dilation, dtype, state_dtype, activation):
+    """A flat batch of requests of lengths 1 .. 45 (decodes first, as the runner orders them), one with a fresh slot
+    holding NaNs, one empty: outputs and every slot equal the per-request reference."""
+    lengths = [1, 1, 5, 2, 45, 0, 33]
+    slots = [3, 7, 1, 8, 2, 6, 5]
+    has_init = [True, True, False, True, True, False, True]
+    state_len = (kernel - 1) * dilation
+    gen = torch.Generator().manual_seed(6)
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    x = torch.randn(qsl[-1], channels, generator=gen).to(state_dtype).to(dtype)  # see test_matches_reference
+    weight = torch.randn(channels, kernel, generator=gen).to(dtype)
+    state = torch.randn(NUM_SLOTS, channels, state_len, generator=gen).to(state_dtype)
+    state[slots[2]] = float("nan")
+    fast_state, ref_state = state.clone(), state.clone()
+    token_req = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)])
+    token_local = torch.tensor([i for n in lengths for i in range(n)])
+
+    out = causal_conv1d_varlen(x, weight, fast_state, torch.tensor(qsl, dtype=torch.int32), token_req, token_local,
+                               torch.tensor(slots), torch.tensor(has_init), dilation, activation)
+    ref = causal_conv1d(x, weight, ref_state, qsl, slots, has_init, dilation, activation)
+
+    exact = dtype == torch.float32 and state_dtype == torch.float32
+    tol = dict(rtol=1e-5, atol=1e-6) if exact else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(fast_state, ref_state, rtol=0, atol=0, equal_nan=True)  # values only move
