@@ -7,13 +7,29 @@ from . import compiled_on_gpu
 
 
 @compiled_on_gpu
-def route(logits, top_k: int, renormalize: bool):
+def route_ref(logits, top_k: int, renormalize: bool):
     """Softmax router: logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k]); softmax in fp32."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids
+
+
+# Above this many tokens torch's topk (radix select) beats one program per token scanning its row k times.
+ROUTE_TRITON_MAX_TOKENS = 256
+
+
+def route(logits, top_k: int, renormalize: bool):
+    """Dispatch: at decode sizes on the GPU one fused Triton launch (inductor leaves softmax, topk's two kernels
+    and the renormalisation separate)."""
+    from . import fast_path
+
+    if fast_path(logits) and logits.shape[0] <= ROUTE_TRITON_MAX_TOKENS and logits.shape[-1] <= 4096:
+        from .triton_moe import route_triton
+
+        return route_triton(logits, top_k, renormalize)
+    return route_ref(logits, top_k, renormalize)
 
 
 @compiled_on_gpu
@@ -45,23 +61,32 @@ def moe_experts_ref(
     return out
 
 
+def moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared=None) -> torch.Tensor:
+    """`moe_experts`' reference: the routed experts, then the gated shared expert added as the model writes it."""
+    routed = moe_experts_ref(x, gate_up, down, topk_ids, topk_weights)
+    return routed if shared is None else add_shared_expert(routed, shared[1], shared[0])
+
+
 # Above this many (token, expert) pairs the grouped GEMM beats the Triton kernel (set from bench/ on an H200).
 GROUPED_MM_MIN_PAIRS = 4096
 
 
-def moe_experts(x, gate_up, down, topk_ids, topk_weights) -> torch.Tensor:
-    """Dispatch: Triton fused MoE for small batches (graph-capturable), torch grouped GEMM for large ones."""
+def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared=None) -> torch.Tensor:
+    """Routed experts, plus sigmoid(logit) * shared_out with `shared` = (shared_out [N, H], logit [N, 1]).
+
+    Dispatch: Triton fused MoE for small batches (graph-capturable), torch grouped GEMM for large ones; on the GPU
+    the gated shared expert is added in the kernel that sums each token's experts."""
     from . import fast_path
 
     if not fast_path(x):
-        return moe_experts_ref(x, gate_up, down, topk_ids, topk_weights)
+        return moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared)
     if topk_ids.numel() >= GROUPED_MM_MIN_PAIRS:
         from .moe_grouped import grouped_mm_available, grouped_moe
 
         if grouped_mm_available(x):
-            return grouped_moe(x, gate_up, down, topk_ids, topk_weights)
+            return grouped_moe(x, gate_up, down, topk_ids, topk_weights, shared)
     from .triton_moe import PAIRWISE_MAX_PAIRS, fused_moe, pairwise_moe
 
     if topk_ids.numel() <= PAIRWISE_MAX_PAIRS:
-        return pairwise_moe(x, gate_up, down, topk_ids, topk_weights)
-    return fused_moe(x, gate_up, down, topk_ids, topk_weights)
+        return pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared)
+    return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared)

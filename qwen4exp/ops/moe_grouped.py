@@ -2,18 +2,18 @@
 
 Same contract as `qwen4exp.ops.moe.moe_experts`:
     x [N, H], gate_up [E, 2I, H] (gate rows first), down [E, H, I], topk_ids [N, k] (int64/int32),
-    topk_weights [N, k]  ->  [N, H] in x's dtype.
+    topk_weights [N, k]  ->  [N, H] in x's dtype (optionally with the gated shared expert added).
 
 The N*k (token, slot) pairs are sorted by expert, each expert's contiguous run goes through one grouped GEMM
-(CUTLASS on sm90 for bf16), and the k rows per token are summed after scattering back. Every step has shapes fixed
-by N, k and E and reads the group offsets on the device, so nothing syncs with the host. `torch._grouped_mm` is a
-private op: `grouped_mm_available` guards it and `grouped_moe` falls back to the reference otherwise.
+(CUTLASS on sm90 for bf16), and `sum_pairs` adds each token's k rows, weighted, where they lie. Every step has
+shapes fixed by N, k and E and reads the group offsets on the device, so nothing syncs with the host.
+`torch._grouped_mm` is a private op: `grouped_mm_available` guards it and `grouped_moe` falls back to the reference
+otherwise.
 """
 
 import torch
-import torch.nn.functional as F
 
-from .moe import moe_experts_ref as moe_experts
+from .moe import moe_block_ref, silu_mul
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -32,14 +32,16 @@ def grouped_moe(
     down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same contract as `moe_experts` (see the module docstring)."""
     if not grouped_mm_available(x):
-        return moe_experts(x, gate_up, down, topk_ids, topk_weights)
+        return moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared)
     num_tokens, top_k = topk_ids.shape
     num_experts = gate_up.shape[0]
     if num_tokens == 0:
         return torch.zeros_like(x)
+    from .triton_moe import sum_pairs, sum_pairs_ref
 
     flat = topk_ids.reshape(-1).to(torch.int64)
     order = torch.argsort(flat, stable=True)
@@ -52,10 +54,10 @@ def grouped_moe(
     # Weights as stored ([E, out, in]) transposed to [E, in, out]: a column-major view, which the op accepts
     # without a copy.
     gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
-    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+    y = torch._grouped_mm(silu_mul(gate, up), down.transpose(1, 2), offs=offs)
 
-    # Scatter back to pair order and sum per token rather than index_add_: deterministic (no atomics).
-    out_pairs = torch.empty_like(y)
-    out_pairs[order] = y
-    return out_pairs.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    # Each pair's row in y, then one weighted ordered sum per token: deterministic (no atomics), no scatter of y.
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device=x.device)
+    total = sum_pairs if x.is_cuda else sum_pairs_ref
+    return total(y, top_k, rows.view(num_tokens, top_k), topk_weights, shared).to(x.dtype)

@@ -21,7 +21,8 @@ Pipeline (all steps have static shapes and never sync with the host, so it can b
        accumulators, writing the activation [padded pairs, I] in sorted order (so kernel 2 reads it contiguously).
     3. `_down_kernel`: per block, down projection with the routing weight folded into the epilogue; rows are
        scattered back to their pair index n*k + j of an [N*k, H] buffer.
-    4. The k rows of each token are summed (deterministic, fp32 accumulation inside torch's sum).
+    4. `sum_pairs`: the k rows of each token are summed in fp32 (deterministic, no atomics), with the gated shared
+       expert added in the same pass when given.
 """
 
 import os
@@ -324,7 +325,8 @@ def _pair_down_kernel(
 PAIRWISE_MAX_PAIRS = 96
 
 
-def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, block_n: int = 16, block_k: int = 256) -> torch.Tensor:
+def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, block_n: int = 16,
+                 block_k: int = 256) -> torch.Tensor:
     """Same contract as fused_moe, for small batches: no sorting, three launches."""
     num_tokens, hidden = x.shape
     inter = down.shape[2]
@@ -342,7 +344,7 @@ def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, block_n: int = 16, bl
         act, down, ids, wts, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_N=2 * block_n, BLOCK_K=block_k, num_warps=4,
     )
-    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+    return sum_pairs(out, top_k, shared=shared)
 
 
 def fused_moe(
@@ -352,8 +354,10 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     config: MoEConfig | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Same contract as `qwen4exp.ops.moe.moe_experts` (see the module docstring); graph-capturable."""
+    """Same contract as `qwen4exp.ops.moe.moe_experts` (see the module docstring); graph-capturable. With
+    `shared` = (shared expert output [N, H], its gate logit [N, 1]), adds sigmoid(logit) * output."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -405,7 +409,114 @@ def fused_moe(
         EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
-    # Summing the k rows (instead of atomics in the epilogue) keeps the result deterministic.
-    if top_k == 1:
-        return out_pairs
-    return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)
+    return sum_pairs(out_pairs, top_k, shared=shared)
+
+
+@triton.jit
+def _sum_pairs_kernel(
+    y_ptr, rows_ptr, w_ptr, shared_ptr, logit_ptr, out_ptr, hidden,
+    stride_y, stride_s, stride_l, stride_o,
+    TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SHARED: tl.constexpr,
+    BLOCK: tl.constexpr, ROUND: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + pair).to(tl.int64)
+        else:
+            row = pair
+        v = tl.load(y_ptr + row * stride_y + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            v = v * tl.load(w_ptr + pair).to(tl.float32)
+        acc += v
+    if HAS_SHARED:
+        gate = tl.sigmoid(tl.load(logit_ptr + token * stride_l).to(tl.float32))
+        acc += gate * tl.load(shared_ptr + token * stride_s + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_o + offs, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
+             mask=ok)
+
+
+def _rounding(dtype: torch.dtype) -> str | None:
+    """Round-to-nearest-even for narrowing casts, stated explicitly because the interpreter truncates by default
+    (the GPU already rounds to nearest); fp32 outputs are no narrowing cast, where Triton rejects a mode."""
+    return None if dtype == torch.float32 else "rtne"
+
+
+def sum_pairs(y, top_k: int, rows=None, weights=None, shared=None) -> torch.Tensor:
+    """out[n] = sum_j weights[n, j] * y[rows[n, j]] (+ sigmoid(logit[n]) * shared_out[n]), one launch, fp32 sums.
+
+    y [M, H] holds the pair outputs; rows [N, k] their row in y (default n*k + j); weights [N, k] (default: already
+    weighted); shared = (shared_out [N, H], logit [N, 1]). Returns [N, H] in y's dtype. Deterministic: each output
+    element is one program's ordered sum (the reason not to use atomics in the experts' epilogue)."""
+    hidden = y.shape[1]
+    num_tokens = rows.shape[0] if rows is not None else y.shape[0] // top_k
+    out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
+    if num_tokens == 0:
+        return out
+    shared_out, logit = shared if shared is not None else (y, y)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, rows if rows is not None else y, weights.reshape(-1).contiguous() if weights is not None else y,
+        shared_out, logit, out, hidden,
+        y.stride(0), shared_out.stride(0), logit.stride(0), out.stride(0),
+        TOP_K=top_k, HAS_ROWS=rows is not None, HAS_WEIGHTS=weights is not None, HAS_SHARED=shared is not None,
+        BLOCK=block, ROUND=_rounding(y.dtype), num_warps=4,
+    )
+    return out
+
+
+def sum_pairs_ref(y, top_k: int, rows=None, weights=None, shared=None) -> torch.Tensor:
+    """Torch definition of `sum_pairs`."""
+    num_tokens = rows.shape[0] if rows is not None else y.shape[0] // top_k
+    rows = rows if rows is not None else torch.arange(num_tokens * top_k, device=y.device).view(num_tokens, top_k)
+    v = y[rows.long()].float()
+    if weights is not None:
+        v = v * weights.float()[..., None]
+    out = v.sum(dim=1)
+    if shared is not None:
+        out = out + torch.sigmoid(shared[1].float()) * shared[0].float()
+    return out.to(y.dtype)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, ROUND: tl.constexpr):
+    """One token: softmax over the experts in fp32, the top-k by repeated argmax (lowest index among equals),
+    optionally renormalised; weights in the logits' dtype, in descending order."""
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < num_experts
+    x = tl.load(logits_ptr + n * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(valid, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    remaining = tl.where(valid, p, -1.0)
+    rank = tl.full((BLOCK_E,), -1, dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        pick = tl.min(tl.where(remaining == best, e, BLOCK_E), axis=0)
+        rank = tl.where(e == pick, j, rank)
+        remaining = tl.where(e == pick, -2.0, remaining)
+    chosen = rank >= 0
+    w = p
+    if RENORMALIZE:
+        w = p / tl.sum(tl.where(chosen, p, 0.0), axis=0)
+    tl.store(weights_ptr + n * TOP_K + rank, w.to(weights_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
+             mask=chosen)
+    tl.store(ids_ptr + n * TOP_K + rank, e.to(tl.int64), mask=chosen)
+
+
+def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as qwen4exp.ops.moe.route_ref, one launch (softmax, top-k and renormalisation fused)."""
+    n, num_experts = logits.shape
+    weights = torch.empty(n, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
+    if n:
+        _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                            RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+                            ROUND=_rounding(logits.dtype), num_warps=4)
+    return weights, ids

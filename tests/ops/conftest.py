@@ -8,6 +8,8 @@ def on_device(fn):
         return fn
 
     def to(x, dev):
+        if isinstance(x, tuple):
+            return tuple(to(t, dev) for t in x)
         return x.to(dev) if isinstance(x, torch.Tensor) else x
 
     def wrapped(*args, **kwargs):

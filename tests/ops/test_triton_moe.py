@@ -163,3 +163,59 @@ def test_pairwise_moe_matches_reference(n, k, e):
     weights = torch.softmax(torch.randn(n, k, generator=g), -1)
     out = pairwise_moe(x, gate_up, down, ids, weights)
     assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,weights,shared", [(False, False, False), (True, True, False), (True, True, True),
+                                                 (False, False, True)])
+def test_sum_pairs_matches_reference(dtype, rows, weights, shared):
+    from qwen4exp.ops.triton_moe import sum_pairs, sum_pairs_ref
+
+    n, k, h = 5, 3, 1100  # two hidden tiles, the second ragged
+    g = torch.Generator().manual_seed(11)
+    y = torch.randn(n * k, h, generator=g).to(dtype)
+    args = dict(
+        rows=torch.randperm(n * k, generator=g).view(n, k) if rows else None,
+        weights=torch.rand(n, k, generator=g).to(dtype) if weights else None,
+        # the shared gate logit is a strided column of the router's merged output, as in the model
+        shared=(torch.randn(n, h, generator=g).to(dtype), torch.randn(n, 9, generator=g).to(dtype)[:, 4:5])
+        if shared else None,
+    )
+    out = on_device(sum_pairs)(y, k, **args)
+    ref = sum_pairs_ref(y, k, **args)
+    assert out.dtype == dtype and out.shape == (n, h)
+    # bf16: one rounding in both, but the interpreter's conversion may land one ulp off the GPU's
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+@pytest.mark.parametrize("path", ["pairwise", "fused", "grouped"])
+def test_experts_add_the_gated_shared_expert(path):
+    """Every fast path's `shared` fold equals the model's routed + sigmoid(logit) * shared_out."""
+    from qwen4exp.ops.moe import moe_block_ref
+
+    x, gate_up, down, ids, weights = _problem(6, 64, 48, 8, 3, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(8)
+    shared = (torch.randn(6, 64, generator=g), torch.randn(6, 1, generator=g))
+    fn = {"pairwise": pairwise_moe, "fused": fused_moe, "grouped": grouped_moe}[path]
+    if path == "grouped" and not grouped_mm_available(x):
+        pytest.skip("torch._grouped_mm unavailable")
+    out = fn(x, gate_up, down, ids, weights, shared=shared)
+    assert _rel_err(out, moe_block_ref(x, gate_up, down, ids, weights, shared)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts,top_k,renormalize", [(128, 10, True), (8, 2, False), (100, 3, True)])
+def test_fused_route_matches_reference(dtype, num_experts, top_k, renormalize):
+    from qwen4exp.ops.moe import route_ref
+    from qwen4exp.ops.triton_moe import route_triton
+
+    g = torch.Generator().manual_seed(num_experts)
+    # distinct values (multiples of 1/16, exact in bf16): which of two equal probabilities top-k takes is unspecified
+    logits = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(37)]).to(dtype) / 16 - 3
+    weights, ids = on_device(route_triton)(logits, top_k, renormalize)
+    ref_weights, ref_ids = route_ref(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert torch.equal(ids, ref_ids)  # descending order, as torch.topk
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(weights.float(), ref_weights.float(), rtol=tol, atol=tol)
