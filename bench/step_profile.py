@@ -1,0 +1,175 @@
+"""Where a step's time goes on the GPU: CUDA-graph decode at batch 1 and 64, eager prefill of one 8k prompt, and the
+prefill / decode split of the 64-request throughput run.
+
+    python bench/step_profile.py --out OUT_DIR [--parts decode,prefill,phases]
+
+Writes OUT_DIR/step_profile.json and, per decode batch, OUT_DIR/decode_b{B}_kernels.txt: every kernel of one step in
+order with its duration and the idle gap before it. Kernel times come from the torch profiler (CUPTI sees the
+kernels inside a graph replay); a step's wall time is measured around `engine.step()`, which returns once the
+sampled ids are on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from h200_suite import log, preset  # noqa: E402
+
+from qwen4exp.bench.offline import random_prompts, throughput  # noqa: E402
+from qwen4exp.config import EngineConfig  # noqa: E402
+from qwen4exp.engine.engine import LLMEngine  # noqa: E402
+from qwen4exp.engine.request import SamplingParams  # noqa: E402
+
+
+def kernels_from_trace(path: str) -> list[dict]:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    ks = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    ks.sort(key=lambda e: e["ts"])
+    return ks
+
+
+def short(name: str) -> str:
+    return name.split("(")[0].replace("void ", "")[:70]
+
+
+def profile_steps(engine, steps: int, out_dir: str, tag: str) -> dict:
+    """Profiles `steps` engine steps; returns per-step wall, GPU busy, kernel counts and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+    trace = os.path.join(out_dir, f"{tag}_trace.json")
+    prof.export_chrome_trace(trace)
+    ks = kernels_from_trace(trace)
+    os.remove(trace)
+    busy = sum(k["dur"] for k in ks) / steps
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for k in ks:
+        by_name[short(k["name"])][0] += 1
+        by_name[short(k["name"])][1] += k["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:45]
+    # one step's kernels in order: split the stream at the largest gaps (the host work between steps)
+    gaps = [ks[i]["ts"] - (ks[i - 1]["ts"] + ks[i - 1]["dur"]) for i in range(1, len(ks))]
+    lines = []
+    per_step = len(ks) // steps
+    first = per_step * (steps // 2)
+    for i in range(first, min(first + per_step, len(ks))):
+        g = gaps[i - 1] if i else 0.0
+        lines.append(f"{ks[i]['dur']:9.1f} us  gap {g:7.1f}  {short(ks[i]['name'])}")
+    with open(os.path.join(out_dir, f"{tag}_kernels.txt"), "w") as f:
+        f.write("\n".join(lines))
+    small_gaps = sum(g for g in gaps if g < 20) / steps
+    big_gaps = sum(g for g in gaps if g >= 20) / steps
+    walls.sort()
+    res = {"steps": steps, "median_wall_ms": walls[len(walls) // 2] * 1e3, "gpu_busy_ms": busy / 1e3,
+           "kernels_per_step": len(ks) / steps, "gaps_under_20us_ms": small_gaps / 1e3,
+           "gaps_over_20us_ms": big_gaps / 1e3,
+           "top": [(n, c / steps, t / steps) for n, (c, t) in top]}
+    log(tag, {k: v for k, v in res.items() if k != "top"})
+    for n, c, t in res["top"][:25]:
+        log(f"  {t:9.1f} us/step  {c:6.1f}x  {n}")
+    return res
+
+
+def decode_part(engine, out_dir: str, batch: int, results: dict) -> None:
+    vocab = engine.model_config.vocab_size
+    for i, p in enumerate(random_prompts(batch, 128, vocab, seed=5)):
+        engine.add_request(f"dec{batch}-{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False))
+    while any(len(r.output_token_ids) < 8 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    results[f"decode_b{batch}"] = profile_steps(engine, 10, out_dir, f"decode_b{batch}")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def prefill_part(engine, out_dir: str, results: dict) -> None:
+    vocab = engine.model_config.vocab_size
+    for seed in (1, 2):  # the first compiles
+        engine.add_request(f"pf{seed}", {"prompt_token_ids": random_prompts(1, 8192, vocab, seed=seed)[0]},
+                           SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+        if seed == 2:
+            results["prefill_8k"] = profile_steps(engine, 1, out_dir, "prefill_8k")
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def phases_part(engine, results: dict) -> None:
+    """The 64 x (1024 in, 256 out) run, with every step's wall time and token count recorded."""
+    steps = []
+    execute = engine.runner.execute
+
+    def timed(chunks):
+        t0 = time.perf_counter()
+        out = execute(chunks)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        steps.append((sum(len(c.token_ids) for c in chunks), len(chunks), time.perf_counter() - t0))
+        return out
+
+    engine.runner.execute = timed
+    try:
+        r = throughput(engine, 64, 1024, 256)
+    finally:
+        engine.runner.execute = execute
+    steps = steps[4:]  # drop throughput()'s warm-up (4 requests, 4 tokens) -- approximately
+    pre = [s for s in steps if s[0] > s[1]]
+    dec = [s for s in steps if s[0] == s[1]]
+    results["phases_c64"] = {
+        "output_tok_s": r["output_throughput"], "duration_s": r["duration_s"],
+        "prefill_steps": len(pre), "prefill_s": sum(s[2] for s in pre),
+        "prefill_tokens": sum(s[0] for s in pre),
+        "decode_steps": len(dec), "decode_s": sum(s[2] for s in dec),
+        "decode_median_step_ms": sorted(s[2] for s in dec)[len(dec) // 2] * 1e3 if dec else None,
+        "decode_batch_hist": collections.Counter(s[1] for s in dec).most_common(6),
+    }
+    log("phases", results["phases_c64"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--parts", default="decode,prefill,phases")
+    ap.add_argument("--preset", default="flash-next-128e")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cfg = preset(args.preset)
+    ecfg = EngineConfig(max_model_len=min(33 * 1024, cfg.max_position_embeddings), max_num_seqs=64,
+                        max_num_batched_tokens=8192, gpu_memory_utilization=0.92, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
+    t0 = time.perf_counter()
+    engine = LLMEngine(None, ecfg, dtype="bfloat16", device=torch.device(args.device), load_format="dummy",
+                       model_config=cfg, tokenizer=None)
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
+    results = {"startup_s": time.perf_counter() - t0, "device": device_name}
+    parts = args.parts.split(",")
+    path = os.path.join(args.out, "step_profile.json")
+    for part in parts:
+        if part == "decode":
+            decode_part(engine, args.out, 1, results)
+            decode_part(engine, args.out, 64, results)
+        elif part == "prefill":
+            prefill_part(engine, args.out, results)
+        elif part == "phases":
+            phases_part(engine, results)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
