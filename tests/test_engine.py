@@ -148,3 +148,14 @@ def test_bad_values_do_not_break_a_step(tiny_dir):
     engine.abort_request("snap")
     assert engine.cache.all_free()
     assert engine.metrics.running._value.get() == 0
+
+
+def test_request_token_ids_slices_prompt_and_output_alike():
+    """Every [start, end) of a request's tokens, within the prompt, across the boundary or in the output."""
+    from qwen4exp.engine.request import Request
+
+    req = Request("r", [1, 2, 3, 4, 5], SamplingParams(), output_token_ids=[6, 7, 8])
+    every = [1, 2, 3, 4, 5, 6, 7, 8]
+    for start in range(9):
+        for end in range(start, 9):
+            assert req.token_ids(start, end) == every[start:end], (start, end)

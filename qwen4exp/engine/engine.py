@@ -196,7 +196,7 @@ class LLMEngine:
         return end - 1 if samples else end
 
     def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[_Parent]:
-        row = 0
+        row = prompt_tokens = 0
         sample_rows, sample_reqs = [], []
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
@@ -206,16 +206,21 @@ class LLMEngine:
             if req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1:
                 upto = min(end, req.num_prompt_tokens - 1)
                 self._record_prompt_logprobs(req, logits[row: row + upto - first], first)
-            self.metrics.prompt_tokens.inc(max(0, min(end, req.num_prompt_tokens) - start))
+            prompt_tokens += max(0, min(end, req.num_prompt_tokens) - start)
             req.num_computed_tokens = end
             if end == req.num_tokens:
                 sample_rows.append(row + n_rows - 1)
                 sample_reqs.append(req)
             row += n_rows
+        if prompt_tokens:
+            self.metrics.prompt_tokens.inc(prompt_tokens)
         touched: dict[str, _Parent] = {}
         if sample_reqs:
+            self.metrics.generation_tokens.inc(len(sample_reqs))
             stop_ids = [self._stop_ids(r) for r in sample_reqs]
-            out = self.sampler(logits[torch.tensor(sample_rows, device=logits.device)], sample_reqs, stop_ids)
+            if sample_rows != list(range(logits.shape[0])):  # decode steps sample every row, in order
+                logits = logits[torch.tensor(sample_rows, device=logits.device)]
+            out = self.sampler(logits, sample_reqs, stop_ids)
             now = time.monotonic()
             for i, req in enumerate(sample_reqs):
                 self._append(req, out, i, now)
@@ -248,7 +253,6 @@ class LLMEngine:
     def _append(self, req: Request, out, i: int, now: float) -> None:
         tok = out.token_ids[i]
         req.output_token_ids.append(tok)
-        self.metrics.generation_tokens.inc()
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival_time)

@@ -163,7 +163,9 @@ class Request:
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= p:  # the decode case: no copy of the whole history
+            return self.output_token_ids[start - p: end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def finished(self) -> bool:

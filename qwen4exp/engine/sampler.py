@@ -51,6 +51,12 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: lis
     return logits
 
 
+def _adjusts_logits(p) -> bool:
+    """Whether apply_penalties may change this request's row (else the raw logits are used without a copy)."""
+    return bool(p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty
+                or p.presence_penalty)
+
+
 def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Temperature, min_p, top_k, top_p on non-greedy rows (masked entries become -inf)."""
     temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=logits.device)
@@ -95,7 +101,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> SamplerOutput:
         """logits: [B, V] fp32 raw logits, one row per request that samples this step."""
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties(logits.clone(), requests, stop_ids)
+        if any(_adjusts_logits(r.params) for r in requests):
+            logits = apply_penalties(logits.clone(), requests, stop_ids)
         tokens = logits.argmax(-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
