@@ -52,7 +52,8 @@ def main():
     engine.runner.execute = stub
     rng = random.Random(0)
     for i in range(args.requests):
-        engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(10, cfg.vocab_size) for _ in range(args.prompt)]},
+        prompt = [rng.randrange(10, cfg.vocab_size) for _ in range(args.prompt)]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True, detokenize=False))
     steps = []
     while engine.has_unfinished_requests():

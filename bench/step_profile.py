@@ -151,7 +151,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     cfg = preset(args.preset)
     ecfg = EngineConfig(max_model_len=min(33 * 1024, cfg.max_position_embeddings), max_num_seqs=64,
-                        max_num_batched_tokens=8192, gpu_memory_utilization=0.92, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
+                        max_num_batched_tokens=8192, gpu_memory_utilization=0.92,
+                        cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
     t0 = time.perf_counter()
     engine = LLMEngine(None, ecfg, dtype="bfloat16", device=torch.device(args.device), load_format="dummy",
                        model_config=cfg, tokenizer=None)
