@@ -59,3 +59,32 @@ def test_fast_dispatch_and_graph_buffers_match_reference(model_pair, monkeypatch
     flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
     torch.testing.assert_close(flat(lps), flat(ref_lps), atol=1e-4, rtol=0)
     assert llm.llm_engine.cache.all_free()
+
+
+def test_graph_block_tables_hold_each_rows_pages_then_zeros(model_pair):
+    """The graph runner sends only the batch's widest block table each step; the buffer must still read as if every
+    row were written in full: its pages, then zeros (padding rows all zero), also after the batch narrows."""
+    from qwen4exp.engine.runner import RequestChunk
+
+    llm = our_llm(model_pair)
+    runner = llm.llm_engine.runner
+    graphs = CUDAGraphRunner(runner.model, runner.cache, 512, 4, "cpu", buckets=[1, 2, 4])
+    graphs._run = lambda bucket, max_len: torch.zeros(bucket, 8)
+    ps = runner.cache.page_size
+
+    def chunk(pages):
+        return RequestChunk(token_ids=[3], context_len=len(pages) * ps - 1, history=[1, 2], pages=pages, state_slot=1,
+                            logits_from=0)
+
+    def expected(rows, bucket):
+        out = torch.zeros(bucket, graphs.buf["block_tables"].shape[1], dtype=torch.int32)
+        for r, pages in enumerate(rows):
+            out[r, : len(pages)] = torch.tensor(pages)
+        return out
+
+    # full bucket, then a padded one (row 3 must be cleared), a narrower one, and a wider one again
+    for rows in ([[5, 6, 7, 8, 9], [3, 4], [10, 11, 12], [20]], [[13], [21, 22], [23]], [[13]], [[14, 15], [16]]):
+        bucket = next(b for b in graphs.buckets if b >= len(rows))
+        graphs.execute([chunk(p) for p in rows])
+        assert torch.equal(graphs.buf["block_tables"][:bucket], expected(rows, bucket))
+        assert not graphs.buf["block_tables"][:, max(map(len, rows)):].any()

@@ -59,6 +59,7 @@ class CUDAGraphRunner:
                                            else [])
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.table_width = 0  # block_tables columns at and past this are zero in every row
 
     def _meta(self, n: int, max_seq_len: int) -> StepMetadata:
         b = {k: v[:n] for k, v in self.buf.items()}
@@ -107,8 +108,9 @@ class CUDAGraphRunner:
         eos = self.config.eos_token_id if self.config.eos_token_id is not None else 0
         ids, pos, slot_map, slots, ctx_lens, init, ngram = [], [], [], [], [], [], []
         blk_tok, blk_slot, blk_pos = [], [], []
-        table = torch.zeros(bucket, self.buf["block_tables"].shape[1], dtype=torch.int32)
-        for r, ch in enumerate(chunks):
+        width = max(len(ch.pages) for ch in chunks)
+        pages = []  # block tables as one flat list, each row zero-padded to the batch's widest: one tensor per step
+        for ch in chunks:
             p = ch.context_len
             ids.append(ch.token_ids[0])
             pos.append(p)
@@ -118,7 +120,8 @@ class CUDAGraphRunner:
             init.append(p > 0)
             hist = ch.history[-ctx_n:] if ctx_n else []
             ngram.append([eos] * (ctx_n - len(hist)) + hist)
-            table[r, : len(ch.pages)] = torch.tensor(ch.pages, dtype=torch.int32)
+            pages += ch.pages
+            pages += [0] * (width - len(ch.pages))
             if C > 1 and (p + 1) % C == 0:  # this token completes a QSA block
                 first = p + 1 - C
                 blk_tok.append([ch.pages[j // ps] * ps + j % ps for j in range(first, p + 1)])
@@ -138,7 +141,13 @@ class CUDAGraphRunner:
         for k, v in host.items():
             self.buf[k][:bucket].copy_(torch.tensor(v, dtype=self.buf[k].dtype).view_as(self.buf[k][:bucket]),
                                        non_blocking=True)
-        self.buf["block_tables"][:bucket].copy_(table, non_blocking=True)
+        tables = self.buf["block_tables"]
+        tables[:n, :width].copy_(torch.tensor(pages, dtype=torch.int32).view(n, width), non_blocking=True)
+        if pad:
+            tables[n:bucket, :width].zero_()
+        if width < self.table_width:
+            tables[:, width: self.table_width].zero_()
+        self.table_width = width
         longest = max(ch.context_len + 1 for ch in chunks)
         max_len = (self.short_len if self.short_len in self.variants and longest <= self.short_len
                    else self.max_model_len)
