@@ -95,3 +95,17 @@ def test_missing_config_file(tmp_path):
 def test_engine_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**over)
+
+
+def test_cli_reports_bad_options_in_one_line(tmp_path, capsys):
+    """A bad option value exits with status 2 and a one-line message naming the field, not a traceback."""
+    from qwen4exp.entrypoints.cli import main
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    make_random(str(tmp_path), "tiny")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path), "--load-format", "dummy", "--ple-table-device", "gpu",
+              "--device", "cpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "ple_table_device" in err and "Traceback" not in err

@@ -70,10 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad options or inputs: one line naming the field, no traceback
+        parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
+    return 0
 
 
 if __name__ == "__main__":
