@@ -159,3 +159,42 @@ def test_request_token_ids_slices_prompt_and_output_alike():
     for start in range(9):
         for end in range(start, 9):
             assert req.token_ids(start, end) == every[start:end], (start, end)
+
+
+def test_step_metadata_matches_per_token_definition():
+    """build_metadata's vectorised fields equal their per-token definitions: decodes and prefill chunks of random
+    lengths at random offsets, on shuffled pages (page_size 8, QSA blocks of 4 tokens)."""
+    from helpers import hf_config
+
+    from qwen4exp.config import ModelConfig
+    from qwen4exp.engine.runner import RequestChunk, build_metadata
+
+    cfg = ModelConfig.from_hf(hf_config())
+    ps, C = 8, cfg.indexer_compress_ratio
+    rng = random.Random(3)
+    chunks = []
+    for n, ctx in [(1, 0), (1, 13), (1, 15), (7, 0), (1, 3), (30, 5), (2, 22)]:
+        pages = rng.sample(range(1, 200), -(-(ctx + n) // ps))
+        chunks.append(RequestChunk(token_ids=[rng.randrange(300) for _ in range(n)], context_len=ctx,
+                                   history=[rng.randrange(300) for _ in range(min(ctx, 5))], pages=pages,
+                                   state_slot=len(chunks) + 1, logits_from=n - 1))
+    chunks.sort(key=lambda c: len(c.token_ids) != 1)  # decodes first, as the runner orders them
+    meta = build_metadata(chunks, cfg, ps, "cpu")
+
+    def slot(ch, p):
+        return ch.pages[p // ps] * ps + p % ps
+
+    tokens = [(r, i, ch) for r, ch in enumerate(chunks) for i in range(len(ch.token_ids))]
+    assert meta.positions.tolist() == [ch.context_len + i for r, i, ch in tokens]
+    assert meta.slot_mapping.tolist() == [slot(ch, ch.context_len + i) for r, i, ch in tokens]
+    assert meta.token_req.tolist() == [r for r, i, ch in tokens]
+    assert meta.token_local.tolist() == [i for r, i, ch in tokens]
+    blocks = [(ch, b * C) for ch in chunks
+              for b in range(ch.context_len // C, (ch.context_len + len(ch.token_ids)) // C)]
+    assert meta.new_block_token_slots.tolist() == [[slot(ch, f + j) for j in range(C)] for ch, f in blocks]
+    assert meta.new_block_slots.tolist() == [ch.pages[f // ps] * (ps // C) + (f % ps) // C for ch, f in blocks]
+    assert meta.new_block_positions.tolist() == [f for ch, f in blocks]
+    assert meta.num_decode_reqs == 4
+    for r, ch in enumerate(chunks):
+        assert meta.block_tables[r, : len(ch.pages)].tolist() == ch.pages
+        assert not meta.block_tables[r, len(ch.pages):].any()

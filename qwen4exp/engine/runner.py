@@ -29,14 +29,14 @@ class RequestChunk:
 def build_metadata(
     chunks: list[RequestChunk], config: ModelConfig, page_size: int, device, max_seq_len: int | None = None
 ) -> StepMetadata:
-    """Chunks must come decodes first (one-token requests), as the fast paths expect."""
-    qsl, ctx, slots, input_ids, positions, slot_mapping, logits_rows = [0], [], [], [], [], [], []
-    token_req, token_local = [], []
+    """Chunks must come decodes first (one-token requests), as the fast paths expect. Per-token and per-block
+    fields are computed with one tensor op per request, not per token: an 8k-token prefill has 2048 QSA blocks."""
+    qsl, ctx, slots, lengths, input_ids, logits_rows, ngram_ctx = [0], [], [], [], [], [], []
+    pos_parts, slot_parts, blk_tok, blk_slot, blk_pos = [], [], [], [], []
     n_ctx = max(config.ngram_size - 1, 0)
     eos = config.eos_token_id if config.eos_token_id is not None else 0
-    ngram_ctx = []
     C = config.indexer_compress_ratio if config.qsa else None
-    block_tok, block_slot, block_pos = [], [], []
+    in_block = torch.arange(C or 1)
     max_pages = max((len(c.pages) for c in chunks), default=1) or 1
     block_tables = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
     for r, ch in enumerate(chunks):
@@ -45,31 +45,36 @@ def build_metadata(
         qsl.append(start + n)
         ctx.append(ch.context_len)
         slots.append(ch.state_slot)
+        lengths.append(n)
         input_ids += ch.token_ids
-        pos = range(ch.context_len, ch.context_len + n)
-        positions += pos
-        token_req += [r] * n
-        token_local += range(n)
-        slot_mapping += [ch.pages[p // page_size] * page_size + p % page_size for p in pos]
         logits_rows += range(start + ch.logits_from, start + n)
         hist = ch.history[-n_ctx:] if n_ctx else []
         ngram_ctx.append([eos] * (n_ctx - len(hist)) + hist)
-        block_tables[r, : len(ch.pages)] = torch.tensor(ch.pages, dtype=torch.int32)
-        if C:
-            for b in range(ch.context_len // C, (ch.context_len + n) // C):
-                first = b * C
-                block_tok.append([ch.pages[p // page_size] * page_size + p % page_size
-                                  for p in range(first, first + C)])
-                block_slot.append(ch.pages[first // page_size] * (page_size // C) + (first % page_size) // C)
-                block_pos.append(first)
+        pages = torch.tensor(ch.pages, dtype=torch.long)
+        block_tables[r, : len(ch.pages)] = pages
+        pos = torch.arange(ch.context_len, ch.context_len + n)
+        pos_parts.append(pos)
+        slot_parts.append(pages[pos // page_size] * page_size + pos % page_size)
+        if C:  # blocks completed by this chunk: each block's token rows, its block-key row and first position
+            firsts = torch.arange(ch.context_len // C, (ch.context_len + n) // C) * C
+            toks = firsts[:, None] + in_block
+            blk_tok.append(pages[toks // page_size] * page_size + toks % page_size)
+            blk_slot.append(pages[firsts // page_size] * (page_size // C) + (firsts % page_size) // C)
+            blk_pos.append(firsts)
 
     def t(x, dtype=torch.long):
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
+    def cat(parts, *shape):
+        return (torch.cat(parts) if parts else torch.zeros(0, *shape, dtype=torch.long)).to(device, non_blocking=True)
+
+    positions = torch.cat(pos_parts) if pos_parts else torch.zeros(0, dtype=torch.long)
+    token_req = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)], dtype=torch.long)
+    token_local = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
     num_decode = 0
     while num_decode < len(chunks) and len(chunks[num_decode].token_ids) == 1:
         num_decode += 1
-    positions_t = t(positions)
+    positions_t = positions.to(device, non_blocking=True)
 
     return StepMetadata(
         input_ids=t(input_ids),
@@ -77,16 +82,16 @@ def build_metadata(
         query_start_loc=t(qsl, torch.int32),
         context_lens=t(ctx, torch.int32),
         block_tables=block_tables.to(device),
-        slot_mapping=t(slot_mapping),
+        slot_mapping=cat(slot_parts),
         state_slots=t(slots),
         ngram_context=t(ngram_ctx).reshape(len(chunks), n_ctx),
         logits_indices=t(logits_rows),
-        new_block_token_slots=t(block_tok).reshape(-1, C or 1),
-        new_block_slots=t(block_slot),
-        new_block_positions=t(block_pos),
-        token_req=t(token_req),
+        new_block_token_slots=cat(blk_tok, C or 1).reshape(-1, C or 1),
+        new_block_slots=cat(blk_slot),
+        new_block_positions=cat(blk_pos),
+        token_req=token_req.to(device, non_blocking=True),
         token_pos=positions_t,
-        token_local=t(token_local),
+        token_local=token_local.to(device, non_blocking=True),
         has_initial=t([c > 0 for c in ctx], torch.bool),
         query_start_loc_cpu=qsl,
         context_lens_cpu=ctx,
