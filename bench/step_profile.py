@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from h200_suite import log, preset  # noqa: E402
 
-from qwen4exp.bench.offline import random_prompts, throughput  # noqa: E402
+from qwen4exp.bench.offline import random_prompts, run_requests  # noqa: E402
 from qwen4exp.config import EngineConfig  # noqa: E402
 from qwen4exp.engine.engine import LLMEngine  # noqa: E402
 from qwen4exp.engine.request import SamplingParams  # noqa: E402
@@ -122,12 +122,14 @@ def phases_part(engine, results: dict) -> None:
         steps.append((sum(len(c.token_ids) for c in chunks), len(chunks), time.perf_counter() - t0))
         return out
 
+    vocab = engine.model_config.vocab_size
+    # warm-up outside the record: a 4096-token step compiles the token-count-symbolic variants
+    run_requests(engine, random_prompts(4, 1024, vocab, seed=98), 4)
     engine.runner.execute = timed
     try:
-        r = throughput(engine, 64, 1024, 256)
+        r = run_requests(engine, random_prompts(64, 1024, vocab, seed=7), 256)
     finally:
         engine.runner.execute = execute
-    steps = steps[4:]  # drop throughput()'s warm-up (4 requests, 4 tokens) -- approximately
     pre = [s for s in steps if s[0] > s[1]]
     dec = [s for s in steps if s[0] == s[1]]
     results["phases_c64"] = {
