@@ -34,8 +34,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
-    def forward(self, x, topk_weights, topk_ids, shared=None):
-        return ops.moe.moe_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, shared)
+    def forward(self, x, topk_weights, topk_ids, shared_expert=None):
+        return ops.moe.moe_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, shared_expert)
 
 
 class SparseMoeBlock(nn.Module):
@@ -51,4 +51,4 @@ class SparseMoeBlock(nn.Module):
         router_logits, shared_gate, gate, up = ops.linear.merged_linear(
             x, [self.gate.weight, self.shared_expert_gate.weight, sh.gate_proj.weight, sh.up_proj.weight])
         weights, ids = ops.moe.route(router_logits, self.gate.top_k, self.gate.norm_topk_prob)
-        return self.experts(x, weights, ids, shared=(sh.down_proj(ops.moe.silu_mul(gate, up)), shared_gate))
+        return self.experts(x, weights, ids, shared_expert=(gate, up, sh.down_proj.weight, shared_gate))

@@ -71,22 +71,30 @@ def moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared=None) -> torc
 GROUPED_MM_MIN_PAIRS = 4096
 
 
-def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared=None) -> torch.Tensor:
-    """Routed experts, plus sigmoid(logit) * shared_out with `shared` = (shared_out [N, H], logit [N, 1]).
+def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None) -> torch.Tensor:
+    """Routed experts, plus the gated shared expert sigmoid(logit) * down(silu(gate) * up) with `shared_expert` =
+    (gate [N, Is], up [N, Is], down weight [H, Is], logit [N, 1]) (gate, up and logit: the router GEMM's outputs).
 
     Dispatch: Triton fused MoE for small batches (graph-capturable), torch grouped GEMM for large ones; on the GPU
-    the gated shared expert is added in the kernel that sums each token's experts."""
+    the gated shared expert is added in the kernel that sums each token's experts, and at decode sizes its down
+    projection runs in the routed experts' launch too."""
     from . import fast_path
 
+    def shared_output():
+        if shared_expert is None:
+            return None
+        gate, up, down_weight, logit = shared_expert
+        return F.linear(silu_mul(gate, up), down_weight), logit
+
     if not fast_path(x):
-        return moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared)
+        return moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared_output())
     if topk_ids.numel() >= GROUPED_MM_MIN_PAIRS:
         from .moe_grouped import grouped_mm_available, grouped_moe
 
         if grouped_mm_available(x):
-            return grouped_moe(x, gate_up, down, topk_ids, topk_weights, shared)
+            return grouped_moe(x, gate_up, down, topk_ids, topk_weights, shared_output())
     from .triton_moe import PAIRWISE_MAX_PAIRS, fused_moe, pairwise_moe
 
     if topk_ids.numel() <= PAIRWISE_MAX_PAIRS:
-        return pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared)
-    return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared)
+        return pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared_expert=shared_expert)
+    return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())

@@ -298,26 +298,45 @@ def _pair_gate_up_kernel(
 
 @triton.jit
 def _pair_down_kernel(
-    act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter,
+    act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter, num_pairs,
     stride_an, stride_we, stride_wr, stride_on,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    sg_ptr, su_ptr, sw_ptr, shared_inter, stride_sg, stride_su, stride_sw,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr, ROUND: tl.constexpr,
 ):
-    """One pair x one tile of the hidden dim: routing weight * down_e(act)."""
+    """One pair x one tile of the hidden dim: routing weight * down_e(act). With HAS_SHARED, programs past the
+    pairs compute row num_pairs + n = down_shared(silu(gate_n) * up_n) for token n (unweighted), its activation
+    formed here from the router GEMM's output rather than by two more launches."""
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < hidden
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_base = w_ptr + expert * stride_we
-    for k0 in range(0, inter, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < inter
-        a = tl.load(act_ptr + pair * stride_an + cols, mask=col_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_base + rows[:, None] * stride_wr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
-        acc += w * a[None, :]
-    out = tl.sum(acc, axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair * stride_on + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+    if pair < num_pairs:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_base = w_ptr + expert * stride_we
+        for k0 in range(0, inter, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < inter
+            a = tl.load(act_ptr + pair * stride_an + cols, mask=col_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_base + rows[:, None] * stride_wr + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += w * a[None, :]
+        out = tl.sum(acc, axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
+    else:
+        if HAS_SHARED:
+            token = (pair - num_pairs).to(tl.int64)
+            for k0 in range(0, shared_inter, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_ok = cols < shared_inter
+                g = tl.load(sg_ptr + token * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+                u = tl.load(su_ptr + token * stride_su + cols, mask=col_ok, other=0.0).to(tl.float32)
+                # rounded to the activations' dtype, as the unfused shared expert's input is
+                a = (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty, fp_downcast_rounding=ROUND).to(tl.float32)
+                w = tl.load(sw_ptr + rows[:, None] * stride_sw + cols[None, :],
+                            mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                acc += w * a[None, :]
+        out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + pair * stride_on + rows, out.to(out_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
+             mask=row_ok)
 
 
 # Up to this many (token, expert) pairs, one GEMV-style program per pair beats sorting the pairs by expert:
@@ -325,9 +344,11 @@ def _pair_down_kernel(
 PAIRWISE_MAX_PAIRS = 96
 
 
-def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, block_n: int = 16,
+def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_expert=None, block_n: int = 16,
                  block_k: int = 256) -> torch.Tensor:
-    """Same contract as fused_moe, for small batches: no sorting, three launches."""
+    """Same contract as fused_moe, for small batches: no sorting, three launches. `shared_expert` = (gate [N, Is],
+    up [N, Is], down weight [H, Is], gate logit [N, 1]) computes the gated shared expert in the same launches
+    (instead of `shared`, its precomputed output)."""
     num_tokens, hidden = x.shape
     inter = down.shape[2]
     top_k = topk_ids.shape[1]
@@ -339,12 +360,22 @@ def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, block_n:
         x, gate_up, ids, act, top_k, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         act.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
-    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _pair_down_kernel[(pairs, triton.cdiv(hidden, 2 * block_n))](
-        act, down, ids, wts, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_N=2 * block_n, BLOCK_K=block_k, num_warps=4,
+    extra = num_tokens if shared_expert is not None else 0
+    out = torch.empty(pairs + extra, hidden, dtype=x.dtype, device=x.device)
+    if shared_expert is not None:
+        sg, su, sw, logit = shared_expert
+        assert sg.stride(-1) == su.stride(-1) == sw.stride(-1) == 1
+        shared_args = (sg, su, sw, sw.shape[1], sg.stride(0), su.stride(0), sw.stride(0))
+    else:
+        shared_args = (act, act, act, 0, 0, 0, 0)  # never read
+    _pair_down_kernel[(pairs + extra, triton.cdiv(hidden, 2 * block_n))](
+        act, down, ids, wts, out, hidden, inter, pairs, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        *shared_args, BLOCK_N=2 * block_n, BLOCK_K=block_k, HAS_SHARED=shared_expert is not None,
+        ROUND=_rounding(x.dtype), num_warps=4,
     )
-    return sum_pairs(out, top_k, shared=shared)
+    if shared_expert is not None:
+        shared = (out[pairs:], shared_expert[3])
+    return sum_pairs(out[:pairs], top_k, shared=shared)
 
 
 def fused_moe(

@@ -219,3 +219,21 @@ def test_fused_route_matches_reference(dtype, num_experts, top_k, renormalize):
     assert torch.equal(ids, ref_ids)  # descending order, as torch.topk
     tol = 1e-6 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(weights.float(), ref_weights.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,shared_inter", [(1, 4, 48), (3, 2, 40), (9, 1, 300)])
+def test_pairwise_moe_computes_the_shared_expert(dtype, n, k, shared_inter):
+    """The shared expert's down projection in the routed experts' launch, from strided views of the router GEMM's
+    output (as the model passes them), equals the model's routed + sigmoid(logit) * down(silu(gate) * up)."""
+    from qwen4exp.ops.moe import moe_block_ref, silu_mul
+
+    x, gate_up, down, ids, weights = _problem(n, 64, 48, 8, k, dtype, seed=n + k)
+    g = torch.Generator().manual_seed(3)
+    merged = torch.randn(n, 8 + 1 + 2 * shared_inter, generator=g).to(dtype)  # router | gate logit | gate | up
+    logit, sg, su = merged[:, 8:9], merged[:, 9:9 + shared_inter], merged[:, 9 + shared_inter:]
+    sw = (torch.randn(64, shared_inter, generator=g) / shared_inter**0.5).to(dtype)
+    out = pairwise_moe(x, gate_up, down, ids, weights, shared_expert=(sg, su, sw, logit))
+    ref = moe_block_ref(x, gate_up, down, ids, weights, (torch.nn.functional.linear(silu_mul(sg, su), sw), logit))
+    assert out.dtype == dtype and out.shape == (n, 64)
+    assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
