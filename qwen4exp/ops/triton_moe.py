@@ -345,10 +345,12 @@ PAIRWISE_MAX_PAIRS = 96
 
 
 def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_expert=None, block_n: int = 16,
-                 block_k: int = 256) -> torch.Tensor:
+                 block_k: int = 256, down_block_n: int = 32, down_block_k: int = 256,
+                 num_warps: int = 4) -> torch.Tensor:
     """Same contract as fused_moe, for small batches: no sorting, three launches. `shared_expert` = (gate [N, Is],
     up [N, Is], down weight [H, Is], gate logit [N, 1]) computes the gated shared expert in the same launches
-    (instead of `shared`, its precomputed output)."""
+    (instead of `shared`, its precomputed output). block_* / num_warps: the tiles of one program (rows of the
+    weight x columns per step) of the gate-up and down launches (`bench/decode_kernels.py` sweeps them)."""
     num_tokens, hidden = x.shape
     inter = down.shape[2]
     top_k = topk_ids.shape[1]
@@ -358,7 +360,7 @@ def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_e
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
         x, gate_up, ids, act, top_k, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        act.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
     extra = num_tokens if shared_expert is not None else 0
     out = torch.empty(pairs + extra, hidden, dtype=x.dtype, device=x.device)
@@ -368,10 +370,10 @@ def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_e
         shared_args = (sg, su, sw, sw.shape[1], sg.stride(0), su.stride(0), sw.stride(0))
     else:
         shared_args = (act, act, act, 0, 0, 0, 0)  # never read
-    _pair_down_kernel[(pairs + extra, triton.cdiv(hidden, 2 * block_n))](
+    _pair_down_kernel[(pairs + extra, triton.cdiv(hidden, down_block_n))](
         act, down, ids, wts, out, hidden, inter, pairs, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        *shared_args, BLOCK_N=2 * block_n, BLOCK_K=block_k, HAS_SHARED=shared_expert is not None,
-        ROUND=_rounding(x.dtype), num_warps=4,
+        *shared_args, BLOCK_N=down_block_n, BLOCK_K=down_block_k, HAS_SHARED=shared_expert is not None,
+        ROUND=_rounding(x.dtype), num_warps=num_warps,
     )
     if shared_expert is not None:
         shared = (out[pairs:], shared_expert[3])
@@ -525,13 +527,15 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     p = tl.exp(x - tl.max(x, axis=0))
     p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, axis=0)
-    remaining = tl.where(valid, p, -1.0)
+    # One max-reduction per pick: the key orders by probability (the bits of a non-negative float order as it does),
+    # then by lowest index; taken and padding experts get -1.
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    key = tl.where(valid, key, -1)
     rank = tl.full((BLOCK_E,), -1, dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        pick = tl.min(tl.where(remaining == best, e, BLOCK_E), axis=0)
+        pick = BLOCK_E - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF)
         rank = tl.where(e == pick, j, rank)
-        remaining = tl.where(e == pick, -2.0, remaining)
+        key = tl.where(e == pick, -1, key)
     chosen = rank >= 0
     w = p
     if RENORMALIZE:
@@ -541,13 +545,15 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     tl.store(ids_ptr + n * TOP_K + rank, e.to(tl.int64), mask=chosen)
 
 
-def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as qwen4exp.ops.moe.route_ref, one launch (softmax, top-k and renormalisation fused)."""
+def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as qwen4exp.ops.moe.route_ref, one launch (softmax, top-k and renormalisation fused).
+    One warp per token by default: its reductions are then register shuffles, with no shared-memory round trip."""
     n, num_experts = logits.shape
     weights = torch.empty(n, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
     if n:
         _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                             RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                            ROUND=_rounding(logits.dtype), num_warps=4)
+                            ROUND=_rounding(logits.dtype), num_warps=num_warps)
     return weights, ids
