@@ -1,7 +1,9 @@
-"""Decode-size MoE kernels at flash-next widths (bf16, H200): per-call time inside a CUDA graph, with tile sweeps.
+"""Decode-size fast kernels at flash-next widths (bf16, H200): per-call time inside a CUDA graph, with tile sweeps.
 
-    python bench/decode_kernels.py [--out OUT_DIR]
+    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,route]
 
+  hc mix:   `ops.triton_hc.hc_mix_decode` against the inductor-compiled reference (4 streams x 2560, low rank 320),
+            T = 1, 2, 4; tiles swept at T = 1.
   pair MoE: `ops.triton_moe.pairwise_moe` (128 experts, top-10, 640 intermediate, shared expert in the down launch)
             at T = 1, 4 and 8; tiles swept at T = 1.
   route:    the fused softmax + top-10 of 128 kernel with 1 and 4 warps per token, T = 1 and 64.
@@ -19,7 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from qwen4exp.ops.hyper_connection import hc_mix_ref  # noqa: E402
 from qwen4exp.ops.moe import moe_block_ref  # noqa: E402
+from qwen4exp.ops.triton_hc import hc_mix_decode  # noqa: E402
 from qwen4exp.ops.triton_moe import pairwise_moe  # noqa: E402
 
 
@@ -40,6 +44,52 @@ def per_call_us(fn, calls, reps=30):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1000 / calls)
     return sorted(times)[len(times) // 2]
+
+
+def bench_hc(results):
+    hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    norm_w = torch.randn(hc * hidden, device=dev, generator=g).to(dt) * 0.1
+    w_di = torch.zeros(rank + hc + 4, hc * hidden, device=dev, dtype=dt)  # padded to a multiple of 8, as the model
+    w_di[: rank + hc] = (torch.randn(rank + hc, hc * hidden, device=dev, generator=g) / (hc * hidden) ** 0.5).to(dt)
+    w_up = (torch.randn(hc * hidden, rank, device=dev, generator=g) / rank**0.5).to(dt)
+    weight_bytes = (rank + hc) * hc * hidden * 2 + w_up.numel() * 2
+
+    def run(tokens, **tiles):
+        streams = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
+        args = (streams, norm_w, w_di, w_up, 1e-6, hc, rank, True)
+        us = per_call_us(lambda: hc_mix_decode(*args, **tiles), calls=96)
+        # after the graph replays: the arrival counters must have been re-armed by every call
+        ref, got = hc_mix_ref(*args), hc_mix_decode(*args, **tiles)
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, got))
+        return us, diff, args
+
+    sweep = []
+    for block_rows, chunk in ((8, 256), (8, 512), (16, 256), (16, 512), (32, 256)):
+        us, diff, _ = run(1, block_rows=block_rows, chunk=chunk)
+        sweep.append(dict(block_rows=block_rows, chunk=chunk, block_h=4, us=us, max_abs_diff=diff))
+        print(f"hc T=1 block_rows={block_rows:2d} chunk={chunk:4d} block_h=4: {us:6.2f} us, diff {diff:.3g}",
+              flush=True)
+    best = min(sweep, key=lambda r: r["us"])
+    for block_h in (2, 8, 16):
+        us, diff, _ = run(1, block_rows=best["block_rows"], chunk=best["chunk"], block_h=block_h)
+        sweep.append(dict(block_rows=best["block_rows"], chunk=best["chunk"], block_h=block_h, us=us,
+                          max_abs_diff=diff))
+        print(f"hc T=1 block_rows={best['block_rows']:2d} chunk={best['chunk']:4d} block_h={block_h}: {us:6.2f} us, "
+              f"diff {diff:.3g}", flush=True)
+    best = min(sweep, key=lambda r: r["us"])
+    tiles = {k: best[k] for k in ("block_rows", "chunk", "block_h")}
+    rows = []
+    for tokens in (1, 2, 4):
+        default_us, diff, args = run(tokens)
+        best_us, best_diff, _ = run(tokens, **tiles)
+        ref = per_call_us(lambda: hc_mix_ref(*args), calls=96)
+        rows.append(dict(tokens=tokens, reference_us=ref, triton_default_us=default_us, triton_best_us=best_us,
+                         max_abs_diff=max(diff, best_diff)))
+        print(f"hc T={tokens}: compiled reference {ref:6.2f} us, triton (defaults) {default_us:6.2f} us "
+              f"({weight_bytes / default_us / 1e3:.0f} GB/s), best tiles {best_us:6.2f} us, reference / default "
+              f"{ref / default_us:.2f}, max |diff| {max(diff, best_diff):.3g}", flush=True)
+    results["hc"] = dict(sweep=sweep, best_tiles=tiles, by_tokens=rows)
 
 
 def bench_moe(results):
@@ -111,11 +161,11 @@ def bench_route(results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--parts", default="moe,route")
+    ap.add_argument("--parts", default="hc,moe,route")
     a = ap.parse_args()
     results = {"device": torch.cuda.get_device_name()}
     for part in a.parts.split(","):
-        {"moe": bench_moe, "route": bench_route}[part](results)
+        {"hc": bench_hc, "moe": bench_moe, "route": bench_route}[part](results)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "decode_kernels.json"), "w") as f:

@@ -7,8 +7,20 @@ from . import compiled_on_gpu
 from .norm import rms_norm
 
 
-@compiled_on_gpu
 def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool):
+    """Dispatch: on the GPU, two Triton launches for a single token (batch-1 decode), inductor's fusion otherwise."""
+    from . import fast_path
+
+    if fast_path(streams):
+        from .triton_hc import hc_mix_decode, supported
+
+        if supported(streams, hc):
+            return hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject)
+    return hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject)
+
+
+@compiled_on_gpu
+def hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool):
     """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc] or None without `inject`).
 
     normed = per-stream RMSNorm(streams); gate = sigmoid(W_up silu(W_down normed / hc));

@@ -1,0 +1,187 @@
+"""Hyper-connection mix for a few tokens in two Triton launches: the decode fast path of
+`ops.hyper_connection.hc_mix`, whose compiled form is eight kernels (cuBLAS split-K GEMV + its reduction, two
+GEMVs' worth of fused elementwise kernels; ~15 us per call, 96 calls per decode step).
+
+streams [T, S*H] (S streams of width H), norm weight [S*H], W_down_inject [R (+S) (+padding), S*H], W_up [S*H, R].
+Both GEMMs are matrix-vector products at decode that must stream 6.5 MB of weights each, so each is split over
+hundreds of programs with one (or few) wide loads apiece; a loop of small dependent loads per program is latency
+bound (a first version that looped measured 137 us per call).
+
+  `_hc_down_kernel`, grid (row blocks, K chunks): normalises one K chunk (normed = x * rstd * (1 + w), rounded to
+      the model dtype as the reference rounds it; the stream's RMS is recomputed from the L2-resident activations)
+      and writes BR partial dot products. The last program of a row block to finish (a per-row-block arrival
+      counter) sums the chunks' partials, rounds them as the reference's GEMM output, and writes act = silu(d / S)
+      for the R down rows and inject = 2 sigmoid(d / S) for the S inject rows, then re-arms the counter.
+  `_hc_up_mix_kernel`, grid (hidden blocks): gate = sigmoid(act @ W_up^T) for all S streams, then
+      mixed = mean_s gate * normed.
+
+H200, flash-next widths, inside a CUDA graph: 11.1 us per call against the compiled reference's 14.6 us at one
+token, but slower from two tokens (17.7 vs 14.8 us), so `hc_mix` dispatches here for single tokens only.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 1
+# products held per program (fp32 values): ~64 registers a thread at 4 warps
+_BUDGET = 8192
+
+
+@triton.jit
+def _hc_down_kernel(
+    x_ptr, nw_ptr, w_ptr, part_ptr, count_ptr, rstd_ptr, act_ptr, inj_ptr,
+    T, H, R, NROWS, NCHUNKS, eps,
+    stride_x, stride_w, stride_a, stride_i,
+    S: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
+    BS: tl.constexpr, NCP: tl.constexpr, ROUND: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    chunk = tl.program_id(1)
+    k_start = chunk * KC
+    stream = k_start // H
+    t = tl.arange(0, BT)
+    t_ok = t < T
+    ss = tl.zeros((BT,), dtype=tl.float32)
+    for k0 in range(0, H, BS):
+        hs = k0 + tl.arange(0, BS)
+        x = tl.load(x_ptr + t[:, None] * stride_x + (stream * H + hs)[None, :],
+                    mask=t_ok[:, None] & (hs < H)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    if (rb == 0) & (k_start == stream * H):
+        tl.store(rstd_ptr + t * S + stream, rstd, mask=t_ok)
+
+    rows = rb * BR + tl.arange(0, BR)
+    r_ok = rows < NROWS
+    kk = tl.arange(0, BK)
+    acc = tl.zeros((BT, BR, BK), dtype=tl.float32)
+    for k0 in range(k_start, k_start + KC, BK):
+        x = tl.load(x_ptr + t[:, None] * stride_x + (k0 + kk)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + k0 + kk).to(tl.float32)
+        normed = (x * rstd[:, None] * (1.0 + nw[None, :]))
+        normed = normed.to(x_ptr.dtype.element_ty, fp_downcast_rounding=ROUND).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + (k0 + kk)[None, :], mask=r_ok[:, None], other=0.0)
+        acc += normed[:, None, :] * w.to(tl.float32)[None, :, :]
+    part_rows = part_ptr + t[:, None] * NROWS + rows[None, :]
+    tl.store(part_rows + chunk * T * NROWS, tl.sum(acc, axis=2), mask=t_ok[:, None] & r_ok[None, :])
+
+    # every thread's partials are written before the release of the arrival count
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel")
+    if arrived == NCHUNKS - 1:
+        c = tl.arange(0, NCP)
+        m = (c < NCHUNKS)[:, None, None] & t_ok[None, :, None] & r_ok[None, None, :]
+        d = tl.sum(tl.load(part_rows[None, :, :] + (c * T * NROWS)[:, None, None], mask=m, other=0.0,
+                           cache_modifier=".cg"), axis=0)
+        dtype = act_ptr.dtype.element_ty
+        d = d.to(dtype, fp_downcast_rounding=ROUND).to(tl.float32) / S
+        act = d / (1.0 + tl.exp(-d))
+        tl.store(act_ptr + t[:, None] * stride_a + rows[None, :], act.to(dtype, fp_downcast_rounding=ROUND),
+                 mask=t_ok[:, None] & (rows < R)[None, :])
+        inj = 2.0 / (1.0 + tl.exp(-d))
+        tl.store(inj_ptr + t[:, None] * stride_i + tl.maximum(rows - R, 0)[None, :],
+                 inj.to(dtype, fp_downcast_rounding=ROUND), mask=t_ok[:, None] & ((rows >= R) & r_ok)[None, :])
+        tl.atomic_xchg(count_ptr + rb, 0)
+
+
+@triton.jit
+def _hc_up_mix_kernel(
+    x_ptr, nw_ptr, wu_ptr, act_ptr, rstd_ptr, out_ptr,
+    T, H, R,
+    stride_x, stride_wu, stride_a, stride_o,
+    S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
+):
+    dtype = out_ptr.dtype.element_ty
+    t = tl.arange(0, BT)
+    t_ok = t < T
+    h = tl.program_id(0) * BH + tl.arange(0, BH)
+    h_ok = h < H
+    s_idx = tl.arange(0, SP)
+    s_ok = s_idx < S
+    kk = tl.arange(0, BK)
+    g = tl.zeros((SP, BT, BH), dtype=tl.float32)
+    for k0 in range(0, R, BK):
+        k = k0 + kk
+        k_ok = k < R
+        a = tl.load(act_ptr + t[:, None] * stride_a + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(wu_ptr + (s_idx[:, None, None] * H + h[None, :, None]) * stride_wu + k[None, None, :],
+                    mask=s_ok[:, None, None] & h_ok[None, :, None] & k_ok[None, None, :], other=0.0)
+        g += tl.sum(a[None, :, None, :] * w.to(tl.float32)[:, None, :, :], axis=3)
+    g = g.to(dtype, fp_downcast_rounding=ROUND).to(tl.float32)
+    gate = 1.0 / (1.0 + tl.exp(-g))
+    rstd = tl.load(rstd_ptr + t[None, :] * S + s_idx[:, None], mask=s_ok[:, None] & t_ok[None, :], other=0.0)
+    sh = s_idx[:, None, None] * H + h[None, None, :]
+    m = s_ok[:, None, None] & t_ok[None, :, None] & h_ok[None, None, :]
+    x = tl.load(x_ptr + t[None, :, None] * stride_x + sh, mask=m, other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + sh, mask=s_ok[:, None, None] & h_ok[None, None, :], other=0.0).to(tl.float32)
+    normed = (x * rstd[:, :, None] * (1.0 + nw)).to(dtype, fp_downcast_rounding=ROUND).to(tl.float32)
+    mixed = tl.sum(gate * normed, axis=0) / S
+    tl.store(out_ptr + t[:, None] * stride_o + h[None, :], mixed.to(dtype, fp_downcast_rounding=ROUND),
+             mask=t_ok[:, None] & h_ok[None, :])
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    b = cap
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters that every call leaves zeroed again (so a CUDA graph can replay the kernel)."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _counters[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return buf
+
+
+def supported(streams: torch.Tensor, hc: int) -> bool:
+    """Few tokens, and a stream width with a power-of-two block of at least 16 (K chunks must not straddle streams)."""
+    return (streams.shape[0] <= MAX_TOKENS and _pow2_divisor(streams.shape[1] // hc, 1024) >= 16
+            and streams.stride(1) == 1)
+
+
+def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
+                  block_rows: int = 16, chunk: int = 512, block_h: int = 4):
+    """Same contract as `ops.hyper_connection.hc_mix` for T <= MAX_TOKENS tokens (see `supported`).
+
+    block_rows x chunk: the W_down_inject tile of one down program (chunk is cut to a power of two dividing the
+    stream width); block_h: hidden columns (of every stream) of one up program. Defaults: within noise of the
+    fastest of the tiles `bench/decode_kernels.py` sweeps at flash-next widths on an H200.
+    """
+    T, width = streams.shape
+    H = width // hc
+    rows = rank + (hc if inject else 0)
+    dtype, dev = streams.dtype, streams.device
+    bt = triton.next_power_of_2(T)
+    kc = _pow2_divisor(H, triton.next_power_of_2(chunk))
+    bk = min(kc, max(16, _BUDGET // (bt * block_rows)))
+    n_chunks = width // kc
+    row_blocks = triton.cdiv(rows, block_rows)
+    part = torch.empty(n_chunks, T, rows, dtype=torch.float32, device=dev)
+    rstd = torch.empty(T, hc, dtype=torch.float32, device=dev)
+    act = torch.empty(T, rank, dtype=dtype, device=dev)
+    inj = torch.empty(T, hc, dtype=dtype, device=dev)
+    out = torch.empty(T, H, dtype=dtype, device=dev)
+    round_mode = "rtne" if dtype != torch.float32 else None  # explicit: the interpreter truncates by default
+    _hc_down_kernel[(row_blocks, n_chunks)](
+        streams, norm_weight, w_down_inject, part, _arrival_counters(dev, row_blocks), rstd, act, inj,
+        T, H, rank, rows, n_chunks, eps,
+        streams.stride(0), w_down_inject.stride(0), act.stride(0), inj.stride(0),
+        S=hc, BT=bt, BR=block_rows, KC=kc, BK=bk, BS=min(triton.next_power_of_2(H), max(16, _BUDGET // (2 * bt))),
+        NCP=triton.next_power_of_2(n_chunks), ROUND=round_mode, num_warps=4,
+    )
+    sp = triton.next_power_of_2(hc)
+    _hc_up_mix_kernel[(triton.cdiv(H, block_h),)](
+        streams, norm_weight, w_up, act, rstd, out,
+        T, H, rank,
+        streams.stride(0), w_up.stride(0), act.stride(0), out.stride(0),
+        S=hc, SP=sp, BT=bt, BH=block_h, BK=min(triton.next_power_of_2(rank), max(16, _BUDGET // (sp * bt * block_h))),
+        ROUND=round_mode, num_warps=4,
+    )
+    return out, (inj if inject else None)
