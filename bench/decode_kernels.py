@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from qwen4exp.ops.hyper_connection import hc_mix_ref  # noqa: E402
-from qwen4exp.ops.moe import moe_block_ref  # noqa: E402
+from qwen4exp.ops.moe import moe_block_ref, silu_mul  # noqa: E402
 from qwen4exp.ops.triton_hc import hc_mix_decode  # noqa: E402
 from qwen4exp.ops.triton_moe import pairwise_moe  # noqa: E402
 
@@ -109,7 +109,7 @@ def bench_moe(results):
         shared_expert = (sg, su, shared_down, logit)
         us = per_call_us(lambda: pairwise_moe(x, gate_up, down, ids, wts, shared_expert=shared_expert, **tiles),
                          calls=48)
-        shared_out = torch.nn.functional.linear(torch.nn.functional.silu(sg) * su, shared_down)
+        shared_out = torch.nn.functional.linear(silu_mul(sg, su), shared_down)
         ref = moe_block_ref(x, gate_up, down, ids, wts, shared=(shared_out, logit))
         got = pairwise_moe(x, gate_up, down, ids, wts, shared_expert=shared_expert, **tiles)
         return us, (ref.float() - got.float()).abs().max().item()
@@ -150,7 +150,7 @@ def bench_route(results):
         ref_w, ref_ids = route_ref(logits, 10, True)
         row = dict(tokens=tokens)
         for warps in (1, 4):
-            w, ids = route_triton(logits, 10, True, num_warps=warps)
+            _, ids = route_triton(logits, 10, True, num_warps=warps)
             assert torch.equal(ids, ref_ids), "route: ids differ from the reference"
             row[f"warps{warps}_us"] = per_call_us(lambda: route_triton(logits, 10, True, num_warps=warps), calls=48)
         rows.append(row)

@@ -1,4 +1,4 @@
-"""Hyper-connection mix for a few tokens in two Triton launches: the decode fast path of
+"""Hyper-connection mix of one token in two Triton launches: the batch-1 decode fast path of
 `ops.hyper_connection.hc_mix`, whose compiled form is eight kernels (cuBLAS split-K GEMV + its reduction, two
 GEMVs' worth of fused elementwise kernels; ~15 us per call, 96 calls per decode step).
 
@@ -141,14 +141,15 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def supported(streams: torch.Tensor, hc: int) -> bool:
-    """Few tokens, and a stream width with a power-of-two block of at least 16 (K chunks must not straddle streams)."""
+    """One token (the kernels take up to any T, but from two tokens the compiled reference is faster), and a stream
+    width with a power-of-two block of at least 16 (K chunks must not straddle streams)."""
     return (streams.shape[0] <= MAX_TOKENS and _pow2_divisor(streams.shape[1] // hc, 1024) >= 16
             and streams.stride(1) == 1)
 
 
 def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
                   block_rows: int = 16, chunk: int = 512, block_h: int = 4):
-    """Same contract as `ops.hyper_connection.hc_mix` for T <= MAX_TOKENS tokens (see `supported`).
+    """Same contract as `ops.hyper_connection.hc_mix` (dispatched to for `supported` inputs; correct for any T).
 
     block_rows x chunk: the W_down_inject tile of one down program (chunk is cut to a power of two dividing the
     stream width); block_h: hidden columns (of every stream) of one up program. Defaults: within noise of the
