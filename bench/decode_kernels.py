@@ -1,11 +1,12 @@
 """Decode-size fast kernels at flash-next widths (bf16, H200): per-call time inside a CUDA graph, with tile sweeps.
 
-    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,route]
+    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route]
 
   hc mix:   `ops.triton_hc.hc_mix_decode` against the inductor-compiled reference (4 streams x 2560, low rank 320),
             T = 1, 2, 4; tiles swept at T = 1.
   pair MoE: `ops.triton_moe.pairwise_moe` (128 experts, top-10, 640 intermediate, shared expert in the down launch)
             at T = 1, 4 and 8; tiles swept at T = 1.
+  align:    moe_align (torch ops, radix sort) against moe_align_triton (one program) at 64 tokens x top-10 of 128.
   route:    the fused softmax + top-10 of 128 kernel with 1 and 4 warps per token, T = 1 and 64.
 
 Each variant is captured in a CUDA graph of `calls` calls (a decode step's worth), replayed 30 times; prints the
@@ -139,6 +140,19 @@ def bench_moe(results):
     results["moe"] = dict(sweep=sweep, best_tiles=tiles, by_tokens=rows)
 
 
+def bench_align(results):
+    from qwen4exp.ops.triton_moe import moe_align, moe_align_triton
+
+    ids = torch.stack([torch.randperm(128, device="cuda")[:10] for _ in range(64)])
+    ref = moe_align(ids, 128, 16)
+    got = moe_align_triton(ids, 128, 16)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got)), "align: outputs differ"
+    row = dict(torch_us=per_call_us(lambda: moe_align(ids, 128, 16), calls=48),
+               triton_us=per_call_us(lambda: moe_align_triton(ids, 128, 16), calls=48))
+    print(f"align 640 pairs: torch {row['torch_us']:.2f} us, triton {row['triton_us']:.2f} us", flush=True)
+    results["align"] = row
+
+
 def bench_route(results):
     from qwen4exp.ops.moe import route_ref
     from qwen4exp.ops.triton_moe import route_triton
@@ -161,11 +175,11 @@ def bench_route(results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--parts", default="hc,moe,route")
+    ap.add_argument("--parts", default="hc,moe,align,route")
     a = ap.parse_args()
     results = {"device": torch.cuda.get_device_name()}
     for part in a.parts.split(","):
-        {"hc": bench_hc, "moe": bench_moe, "route": bench_route}[part](results)
+        {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route}[part](results)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "decode_kernels.json"), "w") as f:

@@ -14,7 +14,8 @@ from conftest import on_device
 
 from qwen4exp.ops.moe import moe_experts_ref as moe_experts
 from qwen4exp.ops.moe_grouped import grouped_mm_available, grouped_moe
-from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config, moe_align, pairwise_moe
+from qwen4exp.ops.triton_moe import (MoEConfig, Tile, fused_moe, get_config, moe_align, moe_align_triton,
+                                     pairwise_moe)
 
 fused_moe = on_device(fused_moe)
 pairwise_moe = on_device(pairwise_moe)
@@ -53,11 +54,14 @@ def _align_reference(ids, num_experts, block_m):
 
 @pytest.mark.parametrize(
     "n,k,e,block_m,experts",
-    [(1, 1, 4, 16, None), (3, 2, 8, 4, None), (17, 3, 16, 16, [1, 4, 9]), (64, 2, 8, 8, None), (9, 1, 6, 4, [5])],
+    [(1, 1, 4, 16, None), (3, 2, 8, 4, None), (17, 3, 16, 16, [1, 4, 9]), (64, 2, 8, 8, None), (9, 1, 6, 4, [5]),
+     (64, 10, 128, 16, None), (13, 10, 100, 16, [3, 99, 50, 7, 8, 9, 10, 11, 12, 13])],
 )
-def test_moe_align_matches_reference(n, k, e, block_m, experts):
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_moe_align_matches_reference(n, k, e, block_m, experts, impl):
     _, _, _, ids, _ = _problem(n, 8, 8, e, k, torch.float32, seed=n, experts=experts)
-    sorted_ids, expert_ids, npp = moe_align(ids.to(torch.int32), e, block_m)
+    align = moe_align if impl == "torch" else on_device(moe_align_triton)
+    sorted_ids, expert_ids, npp = align(ids.to(torch.int32), e, block_m)
 
     num_pairs = n * k
     num_blocks = min(num_pairs, (num_pairs + e * (block_m - 1)) // block_m)
