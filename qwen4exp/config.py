@@ -350,6 +350,8 @@ class EngineConfig:
     num_pages: int | None = None  # explicit override (tests)
     max_queued_requests: int | None = None
     enforce_eager: bool = False
+    # launch step n+1 before reading step n's samples; None: on for CUDA (on the CPU there is nothing to overlap)
+    async_scheduling: bool | None = None
     cuda_graph_sizes: list[int] | None = None  # decode batch-size buckets (default: 1, 2, 4, 8, 16, 24, ...)
     seed: int = 0
     ple_table_device: str = "auto"  # n-gram tables: auto, gpu (with the model) or cpu (page-locked host memory)

@@ -49,7 +49,7 @@ def test_fast_dispatch_and_graph_buffers_match_reference(model_pair, monkeypatch
     runner.graphs.variants_used = set()
     calls = []
     run = runner.graphs.execute
-    runner.graphs.execute = lambda chunks: calls.append(len(chunks)) or run(chunks)
+    runner.graphs.execute = lambda chunks, *pending: calls.append(len(chunks)) or run(chunks, *pending)
     ids, lps = generate(llm, prompts, params)
     assert generate(llm, short, params[:1])[0] == short_ref
     assert calls, "decode steps must go through the graph runner"

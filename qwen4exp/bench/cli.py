@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..entrypoints.serve_cli import add_ple_table_args
+from ..entrypoints.serve_cli import add_async_scheduling_arg, add_ple_table_args
 
 
 def _engine(args):
@@ -14,7 +14,8 @@ def _engine(args):
     cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                       ple_table_device=args.ple_table_device, ple_table_dtype=args.ple_table_dtype)
+                       ple_table_device=args.ple_table_device, ple_table_dtype=args.ple_table_dtype,
+                       async_scheduling=args.async_scheduling)
     return LLMEngine(args.model, cfg, dtype=args.dtype, device=args.device, load_format=args.load_format)
 
 
@@ -60,6 +61,7 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--max-num-batched-tokens", type=int, default=8192)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--enforce-eager", action="store_true")
+        add_async_scheduling_arg(p)
         add_ple_table_args(p)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--output-json", default=None)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from ..model import StepMetadata
-from .runner import RequestChunk
+from .runner import RequestChunk, fill_pending, to_device
 
 logger = logging.getLogger("qwen4exp")
 
@@ -101,7 +101,7 @@ class CUDAGraphRunner:
         return 0 < len(chunks) <= self.max_batch and all(len(c.token_ids) == 1 for c in chunks)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[RequestChunk]) -> torch.Tensor:
+    def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
         n = len(chunks)
         bucket = next(b for b in self.buckets if b >= n)
         ps, C, ctx_n = self.page_size, self.C, self.config.ngram_size - 1
@@ -141,6 +141,7 @@ class CUDAGraphRunner:
         for k, v in host.items():
             self.buf[k][:bucket].copy_(torch.tensor(v, dtype=self.buf[k].dtype).view_as(self.buf[k][:bucket]),
                                        non_blocking=True)
+        fill_pending(self.buf["input_ids"], [(r, ch.pending_row) for r, ch in enumerate(chunks)], pending_ids)
         tables = self.buf["block_tables"]
         tables[:n, :width].copy_(torch.tensor(pages, dtype=torch.int32).view(n, width), non_blocking=True)
         if pad:
@@ -155,4 +156,4 @@ class CUDAGraphRunner:
         wanted = [r for r, ch in enumerate(chunks) if ch.logits_from == 0]
         if len(wanted) == n:
             return logits[:n].clone()
-        return logits[torch.tensor(wanted, device=logits.device)].clone()
+        return logits[to_device(wanted, logits.device)].clone()

@@ -14,8 +14,8 @@ from .cache import CacheManager
 from .detokenizer import IncrementalDetokenizer
 from .metrics import EngineMetrics
 from .request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, SamplingParams
-from .runner import ModelRunner, RequestChunk
-from .sampler import Sampler, prompt_logprobs
+from .runner import ModelRunner, RequestChunk, to_device
+from .sampler import SampledBatch, Sampler, prompt_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("qwen4exp")
@@ -33,6 +33,23 @@ def resolve_dtype(dtype, model_config: ModelConfig, device) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"dtype: unknown {dtype!r} (auto, float32, bfloat16, float16)")
     return names[dtype]
+
+
+def _reads_history(p: SamplingParams) -> bool:
+    """Sampling that depends on the request's previous ids, which async scheduling has not read yet."""
+    return bool(p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+
+
+@dataclass
+class _Launched:
+    """A step on the device: its chunks as (request, start, end, first logits position), the logits when prompt
+    logprobs need them, and the sampled rows (`rows`: request id -> row)."""
+
+    spans: list[tuple[Request, int, int, int]]
+    logits: torch.Tensor | None
+    sample_reqs: list[Request]
+    sampled: SampledBatch | None
+    rows: dict[str, int]
 
 
 @dataclass
@@ -83,6 +100,9 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.eos_token_ids = list(mc.stop_token_ids)
+        async_scheduling = self.config.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._inflight: _Launched | None = None  # the launched step whose samples are not read yet
 
     # ----- requests -----
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
@@ -150,7 +170,7 @@ class LLMEngine:
         self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -158,77 +178,116 @@ class LLMEngine:
 
     # ----- the step -----
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches one step. Synchronous: waits for it and returns its outputs. With asynchronous
+        scheduling it returns the outputs of the step launched by the previous call instead, so the host's
+        bookkeeping overlaps the device's work; a request that stops on a sampled token then runs one extra
+        position whose token is dropped, and new decode tokens reach the device without a host round trip."""
+        overlap = self._overlap()
+        if self._inflight is not None and not overlap:
+            done, self._inflight = self._inflight, None  # drain first: this step's sampling needs every id
+            outs = self._complete(done)
+            self._update_gauges()
+            return outs
         sched = self.scheduler.schedule()
         if sched.preempted:
             self.metrics.preemptions.inc(len(sched.preempted))
-        if not sched.scheduled:
-            self._update_gauges()
-            return []
-        logits = self.runner.execute(self._chunks(sched))
-        touched = self._update(sched, logits)
+        launched = self._launch(sched) if sched.scheduled else None
+        if overlap:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        outs = self._complete(done) if done is not None else []
         self._update_gauges()
-        return [self._output(p) for p in touched]
+        return outs
 
-    def _chunks(self, sched: SchedulerOutput) -> list[RequestChunk]:
+    def _overlap(self) -> bool:
+        """Asynchronous scheduling, unless a request's sampling reads its previous ids (penalties, min_tokens)."""
+        if not self.async_scheduling:
+            return False
+        return not any(_reads_history(r.params) for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
+
+    def _launch(self, sched: SchedulerOutput) -> "_Launched":
+        """Builds the chunks, runs the model and the sampler without waiting for them; advances the requests."""
         n_ctx = self.model_config.ngram_size - 1
-        chunks = []
+        prev = self._inflight
+        chunks, spans = [], []
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
+            known = min(end, req.num_tokens)
+            pending_row = -1
+            if end > known:  # the last token was sampled by the step still in flight
+                pending_row = prev.rows[req.request_id]
+            first = self._logits_from(req, start, end)
             chunks.append(RequestChunk(
-                token_ids=req.token_ids(start, end),
+                token_ids=req.token_ids(start, known) + [0] * (end - known),
                 context_len=start,
                 history=req.token_ids(max(0, start - n_ctx), start),
                 pages=req.pages,
                 state_slot=req.state_slot,
-                logits_from=self._logits_from(req, start, end) - start,
+                logits_from=first - start,
+                pending_row=pending_row,
             ))
-        return chunks
+            spans.append((req, start, end, first))
+        logits = self.runner.execute(chunks, prev.sampled.token_ids if prev is not None and prev.sampled else None)
+        row, sample_rows, sample_reqs, keep_logits = 0, [], [], False
+        for req, start, end, first in spans:
+            keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1
+            req.num_computed_tokens = end
+            if end == req.num_tokens_with_pending:
+                sample_rows.append(row + end - first - 1)
+                sample_reqs.append(req)
+            row += end - first
+        sampled = None
+        if sample_reqs:
+            if sample_rows != list(range(logits.shape[0])):  # decode steps sample every row, in order
+                logits_s = logits[to_device(sample_rows, logits.device)]
+            else:
+                logits_s = logits
+            sampled = self.sampler.sample(logits_s, sample_reqs, [self._stop_ids(r) for r in sample_reqs])
+            for req in sample_reqs:
+                req.num_pending += 1
+        return _Launched(spans, logits if keep_logits else None, sample_reqs, sampled,
+                         {r.request_id: i for i, r in enumerate(sample_reqs)})
 
     @staticmethod
     def _logits_from(req: Request, start: int, end: int) -> int:
         """First position of the chunk whose logits are needed (end for none)."""
-        samples = end == req.num_tokens
+        samples = end == req.num_tokens_with_pending
         if req.prompt_logprobs is not None:
             pending = len(req.prompt_logprobs) - 1  # prompt logprobs come from positions pending.. prompt_len-2
             if pending < req.num_prompt_tokens - 1 and pending < end:
                 return max(start, pending)
         return end - 1 if samples else end
 
-    def _update(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[_Parent]:
+    def _complete(self, step: "_Launched") -> list[_Parent]:
+        """Reads a launched step's samples (waiting for the device) and applies them; returns the outputs."""
+        out = step.sampled.to_host() if step.sampled is not None else None
         row = prompt_tokens = 0
-        sample_rows, sample_reqs = [], []
-        for s in sched.scheduled:
-            req, start = s.request, s.request.num_computed_tokens
-            end = start + s.num_tokens
-            first = self._logits_from(req, start, end)
-            n_rows = end - first
-            if req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1:
+        for req, start, end, first in step.spans:
+            if step.logits is not None and req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1:
                 upto = min(end, req.num_prompt_tokens - 1)
-                self._record_prompt_logprobs(req, logits[row: row + upto - first], first)
+                self._record_prompt_logprobs(req, step.logits[row: row + upto - first], first)
             prompt_tokens += max(0, min(end, req.num_prompt_tokens) - start)
-            req.num_computed_tokens = end
-            if end == req.num_tokens:
-                sample_rows.append(row + n_rows - 1)
-                sample_reqs.append(req)
-            row += n_rows
+            row += end - first
         if prompt_tokens:
             self.metrics.prompt_tokens.inc(prompt_tokens)
         touched: dict[str, _Parent] = {}
-        if sample_reqs:
-            self.metrics.generation_tokens.inc(len(sample_reqs))
-            stop_ids = [self._stop_ids(r) for r in sample_reqs]
-            if sample_rows != list(range(logits.shape[0])):  # decode steps sample every row, in order
-                logits = logits[torch.tensor(sample_rows, device=logits.device)]
-            out = self.sampler(logits, sample_reqs, stop_ids)
-            now = time.monotonic()
-            for i, req in enumerate(sample_reqs):
-                self._append(req, out, i, now)
-                touched[req.parent_id] = self._parents[req.parent_id]
-        for s in sched.scheduled:
-            if s.request.prompt_logprobs is not None and s.request.parent_id in self._parents:
-                touched.setdefault(s.request.parent_id, self._parents[s.request.parent_id])
-        return list(touched.values())
+        now = time.monotonic()
+        generated = 0
+        for i, req in enumerate(step.sample_reqs):
+            req.num_pending -= 1
+            if req.finished:  # stopped or aborted while this step ran: its extra token is dropped
+                continue
+            generated += 1
+            self._append(req, out, i, now)
+            touched[req.parent_id] = self._parents[req.parent_id]
+        if generated:
+            self.metrics.generation_tokens.inc(generated)
+        for req, *_ in step.spans:
+            if req.prompt_logprobs is not None and req.parent_id in self._parents:
+                touched.setdefault(req.parent_id, self._parents[req.parent_id])
+        return [self._output(p) for p in touched.values()]
 
     def _stop_ids(self, req: Request) -> list[int]:
         ids = list(req.params.stop_token_ids)

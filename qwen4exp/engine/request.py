@@ -137,6 +137,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0  # tokens sampled on the device whose ids the host has not read yet (async scheduling)
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)
     state_slot: int | None = None
@@ -154,6 +155,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return self.num_tokens + self.num_pending
+
+    def stops_by_length(self, max_model_len: int) -> bool:
+        """Whether the pending tokens already reach max_tokens or max_model_len: nothing more to schedule."""
+        return (len(self.output_token_ids) + self.num_pending >= self.max_tokens
+                or self.num_tokens_with_pending >= max_model_len)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,6 +24,9 @@ class RequestChunk:
     pages: list[int]  # page ids covering at least context_len + len(token_ids) tokens
     state_slot: int
     logits_from: int  # first row (within token_ids) whose logits are wanted; len(token_ids) for none
+    # async scheduling: the row of the previous step's sampled ids (still on the device) that holds this chunk's
+    # last token, whose entry in token_ids is then a placeholder; -1 when token_ids is complete
+    pending_row: int = -1
 
 
 def build_metadata(
@@ -81,7 +84,7 @@ def build_metadata(
         positions=positions_t,
         query_start_loc=t(qsl, torch.int32),
         context_lens=t(ctx, torch.int32),
-        block_tables=block_tables.to(device),
+        block_tables=block_tables.to(device, non_blocking=True),
         slot_mapping=cat(slot_parts),
         state_slots=t(slots),
         ngram_context=t(ngram_ctx).reshape(len(chunks), n_ctx),
@@ -101,6 +104,25 @@ def build_metadata(
     )
 
 
+def to_device(values, device, dtype=None) -> torch.Tensor:
+    """torch.tensor(values, device=device) without its stream synchronisation (a blocking host-to-device copy waits
+    for the GPU to finish everything queued, which would stall asynchronous scheduling)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def fill_pending(input_ids: torch.Tensor, rows: list[tuple[int, int]], pending_ids: torch.Tensor | None) -> None:
+    """input_ids[dst] = pending_ids[src] for every (dst, src) with src >= 0, without reading the ids on the host."""
+    pairs = [(d, s) for d, s in rows if s >= 0]
+    if not pairs:
+        return
+    if all(d == i and s == i for i, (d, s) in enumerate(pairs)):  # the usual decode step: same requests, same order
+        input_ids[: len(pairs)].copy_(pending_ids[: len(pairs)])
+        return
+    dst, src = zip(*pairs)
+    index = to_device([dst, src], input_ids.device, torch.long)
+    input_ids[index[0]] = pending_ids[index[1]]
+
+
 class ModelRunner:
     def __init__(self, model: Qwen4ExpForCausalLM, cache: CacheManager, device, graphs=None):
         self.model = model
@@ -110,13 +132,16 @@ class ModelRunner:
         self.graphs = graphs  # CUDAGraphRunner for decode steps, or None (eager)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[RequestChunk]) -> torch.Tensor:
-        """Runs one step; returns fp32 logits for the wanted rows, in the order of `chunks`."""
+    def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs one step; returns fp32 logits for the wanted rows, in the order of `chunks`. `pending_ids`: the
+        previous step's sampled ids on the device, for chunks with a `pending_row`."""
         if self.graphs is not None and self.graphs.can_run(chunks):
-            return self.graphs.execute(chunks)
+            return self.graphs.execute(chunks, pending_ids)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # decodes first
         ordered = [chunks[i] for i in order]
         meta = build_metadata(ordered, self.config, self.cache.page_size, self.device)
+        last_rows = [q - 1 for q in meta.query_start_loc_cpu[1:]]
+        fill_pending(meta.input_ids, [(last_rows[j], c.pending_row) for j, c in enumerate(ordered)], pending_ids)
         hidden = self.model(meta, self.cache.tensors)
         logits = self.model.compute_logits(hidden[meta.logits_indices])
         if order == sorted(order):
@@ -126,4 +151,4 @@ class ModelRunner:
         starts = [sum(sizes[:j]) for j in range(len(sizes))]
         where = {i: j for j, i in enumerate(order)}
         index = [r for i in range(len(chunks)) for r in range(starts[where[i]], starts[where[i]] + sizes[where[i]])]
-        return logits[torch.tensor(index, device=logits.device)]
+        return logits[to_device(index, logits.device)]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
+from .runner import to_device
 
 
 @dataclass
@@ -59,18 +60,19 @@ def _adjusts_logits(p) -> bool:
 
 def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Temperature, min_p, top_k, top_p on non-greedy rows (masked entries become -inf)."""
-    temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=logits.device)
+    temps = to_device([r.params.temperature for r in requests], logits.device, logits.dtype)
     logits = logits / temps[:, None]
-    min_p = torch.tensor([r.params.min_p for r in requests], dtype=logits.dtype, device=logits.device)
-    if (min_p > 0).any():
+    # the branches test the host-side parameters: a test on a device tensor would wait for the GPU
+    if any(r.params.min_p > 0 for r in requests):
+        min_p = to_device([r.params.min_p for r in requests], logits.device, logits.dtype)
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     top_k = [r.params.top_k for r in requests]
-    top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype, device=logits.device)
-    if any(top_k) or (top_p < 1).any():
+    if any(top_k) or any(r.params.top_p < 1 for r in requests):
+        top_p = to_device([r.params.top_p for r in requests], logits.device, logits.dtype)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+        k = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], logits.device)
         pos = torch.arange(vocab, device=logits.device)[None, :]
         drop = pos >= k[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
@@ -100,29 +102,55 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> SamplerOutput:
         """logits: [B, V] fp32 raw logits, one row per request that samples this step."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        return self.sample(logits, requests, stop_ids).to_host()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> "SampledBatch":
+        """Like __call__ but leaves the results on the device (no host sync), so the next step can be launched
+        before they are read; the sampled ids can feed that step directly (`SampledBatch.token_ids`)."""
+        raw_logits = logits
         if any(_adjusts_logits(r.params) for r in requests):
             logits = apply_penalties(logits.clone(), requests, stop_ids)
         tokens = logits.argmax(-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
+            rows = to_device(sampled_rows, logits.device)
             probs = torch.softmax(_filter(logits[rows], [requests[i] for i in sampled_rows]), dim=-1)
             q = torch.empty_like(probs)
             for j, i in enumerate(sampled_rows):
                 q[j].exponential_(generator=self.generator_for(requests[i]))
             tokens[rows] = (probs / q).argmax(-1)
+        ks = [r.params.logprobs for r in requests]
+        if all(k is None for k in ks):  # nobody reads logprobs or ranks: skip the vocab-wide passes
+            return SampledBatch(tokens, None, None, None, ks)
+        raw_logprobs = torch.log_softmax(raw_logits, dim=-1)
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1
-        max_k = max((r.params.logprobs or 0) for r in requests)
-        topk_ids, topk_lps = [[] for _ in requests], [[] for _ in requests]
-        if max_k:
-            vals, ids = raw_logprobs.topk(min(max_k, logits.shape[-1]), dim=-1)
-            vals, ids = vals.tolist(), ids.tolist()
-            for i, r in enumerate(requests):
-                k = r.params.logprobs or 0
-                topk_ids[i], topk_lps[i] = ids[i][:k], vals[i][:k]
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), ranks.tolist(), topk_ids, topk_lps)
+        max_k = max(k or 0 for k in ks)
+        top = raw_logprobs.topk(min(max_k, logits.shape[-1]), dim=-1) if max_k else None
+        return SampledBatch(tokens, chosen, ranks, top, ks)
+
+
+@dataclass
+class SampledBatch:
+    """One step's samples, still on the device. Rows follow the requests passed to `Sampler.sample`."""
+
+    token_ids: torch.Tensor  # [B] long
+    chosen: torch.Tensor | None  # raw logprob of each sampled token (None when no row asked for logprobs)
+    ranks: torch.Tensor | None
+    top: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) of the largest k any row asked for
+    ks: list[int | None]  # each row's `logprobs`
+
+    def to_host(self) -> SamplerOutput:
+        tokens = self.token_ids.tolist()
+        n = len(tokens)
+        if self.chosen is None:
+            return SamplerOutput(tokens, [0.0] * n, [0] * n, [[] for _ in range(n)], [[] for _ in range(n)])
+        topk_ids, topk_lps = [[] for _ in range(n)], [[] for _ in range(n)]
+        if self.top is not None:
+            vals, ids = self.top[0].tolist(), self.top[1].tolist()
+            for i, k in enumerate(self.ks):
+                topk_ids[i], topk_lps[i] = ids[i][: k or 0], vals[i][: k or 0]
+        return SamplerOutput(tokens, self.chosen.tolist(), self.ranks.tolist(), topk_ids, topk_lps)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int):

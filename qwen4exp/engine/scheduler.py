@@ -51,19 +51,24 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # decodes first, then running prefills, each group in arrival order
-        queue = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival_time))
+        queue = sorted(self.running,
+                       key=lambda r: (r.num_tokens_with_pending - r.num_computed_tokens > 1, r.arrival_time))
         for req in queue:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted while making room for an earlier one
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and req.stops_by_length(self.config.max_model_len):
+                continue  # finishes once its pending token is read
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n, out):
                 continue
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if req.num_pending:  # preempted with a token in flight: recompute once its id is known
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             pages = self.cache.pages_needed(req.num_computed_tokens + n)
             if pages > self.cache.pages.num_free or self.cache.slots.num_free == 0:

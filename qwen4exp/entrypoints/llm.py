@@ -26,6 +26,7 @@ class LLM:
         num_pages: int | None = None,
         page_size: int = 16,
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
         ple_table_device: str = "auto",
         ple_table_dtype: str = "auto",
         weights=None,
@@ -36,7 +37,7 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
             num_pages=num_pages, page_size=page_size, enforce_eager=enforce_eager,
-            ple_table_device=ple_table_device, ple_table_dtype=ple_table_dtype,
+            async_scheduling=async_scheduling, ple_table_device=ple_table_device, ple_table_dtype=ple_table_dtype,
         )
         self.llm_engine = LLMEngine(model, config, dtype=dtype, device=device, load_format=load_format,
                                     weights=weights, tokenizer=tokenizer, model_config=model_config)

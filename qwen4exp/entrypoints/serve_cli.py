@@ -34,10 +34,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--enforce-eager", action="store_true")
+    add_async_scheduling_arg(p)
     add_ple_table_args(p)
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def add_async_scheduling_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before the previous step's sampled ids are read, overlapping the host's "
+                        "bookkeeping with the GPU (default: on for CUDA)")
 
 
 def add_ple_table_args(p: argparse.ArgumentParser) -> None:

@@ -376,7 +376,8 @@ def run_server(args) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_cache_bytes=args.cpu_cache_bytes,
         max_queued_requests=args.max_queued_requests, enforce_eager=args.enforce_eager, seed=args.seed,
-        ple_table_device=args.ple_table_device, ple_table_dtype=args.ple_table_dtype,
+        async_scheduling=args.async_scheduling, ple_table_device=args.ple_table_device,
+        ple_table_dtype=args.ple_table_dtype,
     )
     llm_engine = LLMEngine(args.model, config, dtype=args.dtype, device=args.device, load_format=args.load_format)
     async_engine = AsyncEngine(llm_engine).start()
