@@ -1,6 +1,6 @@
 """Decode-size fast kernels at flash-next widths (bf16, H200): per-call time inside a CUDA graph, with tile sweeps.
 
-    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route]
+    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route,gemv]
 
   hc mix:   `ops.triton_hc.hc_mix_decode` against the inductor-compiled reference (4 streams x 2560, low rank 320),
             T = 1, 2, 4; tiles swept at T = 1.
@@ -8,6 +8,10 @@
             at T = 1, 4 and 8; tiles swept at T = 1.
   align:    moe_align (torch ops, radix sort) against moe_align_triton (one program) at 64 tokens x top-10 of 128.
   route:    the fused softmax + top-10 of 128 kernel with 1 and 4 warps per token, T = 1 and 64.
+  gemv:     `ops.triton_linear.gemv` against F.linear (cuBLAS) at the decode projections (out_proj/o_proj, the MoE
+            router + shared expert, GDN in_proj, attention q/k/v + indexer; lm_head for reference), T = 1, 2, 4; tiles
+            swept at T = 1. Each call reads its own copy of the weight (>= 256 MB of copies per shape), as each layer
+            does, so no call finds its weight in L2.
 
 Each variant is captured in a CUDA graph of `calls` calls (a decode step's worth), replayed 30 times; prints the
 median microseconds per call, the weight bytes per call over that time, and the max difference from the reference.
@@ -25,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen4exp.ops.hyper_connection import hc_mix_ref  # noqa: E402
 from qwen4exp.ops.moe import moe_block_ref, silu_mul  # noqa: E402
 from qwen4exp.ops.triton_hc import hc_mix_decode  # noqa: E402
+from qwen4exp.ops import triton_linear  # noqa: E402
 from qwen4exp.ops.triton_moe import pairwise_moe  # noqa: E402
 
 
@@ -172,14 +177,91 @@ def bench_route(results):
     results["route"] = rows
 
 
+# (name, rows N (merged buffers padded to 8), K, calls per decode step) at flash-next-128e widths
+GEMV_SHAPES = (("out_proj", 2560, 6144, 48), ("moe_router_shared", 1416, 2560, 48), ("gdn_in_proj", 16480, 2560, 36),
+               ("attn_qkv_index", 13952, 2560, 12), ("lm_head", 248320, 2560, 1))
+GEMV_TILES = ((1, 256, 1), (2, 256, 2), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 256, 8), (16, 256, 8),
+              (4, 512, 4), (2, 1024, 4), (8, 512, 8))
+
+
+def bench_gemv(results):
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = []
+    for name, n, k, calls in GEMV_SHAPES:
+        nbytes = n * k * 2
+        copies = min(max(calls, 4), -(-(256 << 20) // nbytes))
+        weights = [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+        timed_calls = max(calls, 4)
+
+        def run(fn, x):
+            state = {"i": 0}
+
+            def call():
+                fn(x, weights[state["i"] % copies])
+                state["i"] += 1
+            return per_call_us(call, calls=timed_calls)
+
+        def check(tokens, **tiles):
+            x = torch.randn(tokens, k, device=dev, generator=g).to(dt)
+            exact = torch.nn.functional.linear(x.float(), weights[0].float())
+            ref = torch.nn.functional.linear(x, weights[0])
+            got = triton_linear.gemv(x, weights[0], **tiles)
+            return x, dict(diff_vs_cublas=(got.float() - ref.float()).abs().max().item(),
+                           err_triton=(got.float() - exact).abs().max().item(),
+                           err_cublas=(ref.float() - exact).abs().max().item())
+
+        sweep = []
+        if name != "lm_head":
+            for block_n, block_k, warps in GEMV_TILES:
+                tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps)
+                x, diffs = check(1, **tiles)
+                us = run(lambda x, w: triton_linear.gemv(x, w, **tiles), x)
+                sweep.append(dict(tiles, us=us, gb_s=nbytes / us / 1e3, **diffs))
+                print(f"gemv {name} T=1 {block_n:2d}x{block_k:4d} w{warps}: {us:6.2f} us "
+                      f"({nbytes / us / 1e3:5.0f} GB/s), diff vs cuBLAS {diffs['diff_vs_cublas']:.3g}", flush=True)
+        best = min(sweep, key=lambda r: r["us"]) if sweep else None
+        rows = []
+        for tokens in (1, 2, 4):
+            x, diffs = check(tokens)
+            ref_us = run(torch.nn.functional.linear, x)
+            default_us = run(triton_linear.gemv, x)
+            row = dict(tokens=tokens, cublas_us=ref_us, triton_default_us=default_us,
+                       default_tiles=triton_linear.default_tiles(tokens, n, k), **diffs)
+            if best is not None:
+                tiles = {key: best[key] for key in ("block_n", "block_k", "num_warps")}
+                row["triton_best_t1_tiles_us"] = run(lambda x, w: triton_linear.gemv(x, w, **tiles), x)
+            rows.append(row)
+            print(f"gemv {name} [{n}, {k}] ({nbytes / 4.3e6:.1f} us at 4.3 TB/s) T={tokens}: "
+                  f"cuBLAS {ref_us:6.2f} us ({nbytes / ref_us / 1e3:5.0f} GB/s), "
+                  f"triton defaults {row['default_tiles']} {default_us:6.2f} us ({nbytes / default_us / 1e3:5.0f} "
+                  f"GB/s), T=1 best tiles {row.get('triton_best_t1_tiles_us', float('nan')):6.2f} us; "
+                  f"cuBLAS / triton {ref_us / default_us:.2f}; max |diff| vs cuBLAS {diffs['diff_vs_cublas']:.3g}, "
+                  f"vs fp32: triton {diffs['err_triton']:.3g} cuBLAS {diffs['err_cublas']:.3g}", flush=True)
+        out.append(dict(name=name, n=n, k=k, calls=calls, weight_bytes=nbytes, bandwidth_us_at_4_3_tb_s=nbytes / 4.3e6,
+                        sweep=sweep, best_tiles_t1=best, by_tokens=rows))
+        weights.clear()
+        torch.cuda.empty_cache()
+    dispatched = [s for s in out if s["name"] != "lm_head"]
+    wins = [t for t in (1, 2, 4) if all(r["triton_default_us"] < r["cublas_us"] for s in dispatched
+                                        for r in s["by_tokens"] if r["tokens"] <= t)]
+    saved = {t: sum(s["calls"] * (r["cublas_us"] - r["triton_default_us"]) for s in dispatched for r in s["by_tokens"]
+                    if r["tokens"] == t) for t in (1, 2, 4)}
+    print(f"gemv: defaults beat cuBLAS at every dispatched shape up to T = {max(wins, default=0)} "
+          f"(ops.triton_linear.MAX_TOKENS = {triton_linear.MAX_TOKENS}); us saved per decode step at these four "
+          f"shapes: " + ", ".join(f"T={t}: {v:.0f}" for t, v in saved.items()), flush=True)
+    results["gemv"] = dict(shapes=out, max_winning_tokens=max(wins, default=0), us_saved_per_step=saved)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--parts", default="hc,moe,align,route")
+    ap.add_argument("--parts", default="hc,moe,align,route,gemv")
     a = ap.parse_args()
     results = {"device": torch.cuda.get_device_name()}
     for part in a.parts.split(","):
-        {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route}[part](results)
+        {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv}[part](
+            results)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "decode_kernels.json"), "w") as f:

@@ -73,4 +73,4 @@ class Attention(nn.Module):
         selected = self.indexer(index_qk[0], cos, sin, meta, cache, block_rope) if self.indexer is not None else None
         out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
-        return self.o_proj(out)
+        return ops.linear.linear(out, self.o_proj.weight, self.o_proj.bias)

@@ -6,6 +6,9 @@ matrix turns several small GEMMs into one larger, better-fed one, with no extra 
 
 The buffer ends with zero rows up to a multiple of ROW_ALIGN: an output row of 1409 bf16 values (the MoE router,
 shared gate and shared expert) is not 16-byte aligned, and cuBLAS then falls back to a kernel 3-4x slower.
+
+`linear` is F.linear, except for a few tokens on the GPU (decode), where cuBLAS runs these widths well below HBM
+bandwidth: there it is one Triton GEMV launch (ops/triton_linear.py).
 """
 
 import torch
@@ -38,13 +41,25 @@ def merged_weight(weights: list[torch.Tensor], padded: bool = False) -> torch.Te
     return torch.cat(weights)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); the Triton GEMV for few-token, bias-free projections on the fast path."""
+    from . import fast_path
+
+    if bias is None and fast_path(x):
+        from .triton_linear import gemv, supported
+
+        if supported(x, weight):
+            return gemv(x, weight)
+    return F.linear(x, weight, bias)
+
+
 def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list | None = None) -> list[torch.Tensor]:
     """[F.linear(x, w) for w in weights], computed as one GEMM."""
     bias = None
     if biases is not None and any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else x.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
     w = merged_weight(weights, padded=bias is None)
-    y = F.linear(x, w, bias)
+    y = linear(x, w, bias)
     sizes = [w.shape[0] for w in weights]
     return list(y.split(sizes + [y.shape[-1] - sum(sizes)], dim=-1))[: len(weights)]
 

@@ -1,0 +1,91 @@
+"""y = x @ W^T for a few tokens in one Triton launch: the decode fast path of `ops.linear.linear` (F.linear is the
+reference).
+
+At decode every projection is a matrix-vector product that must stream its whole weight once, and cuBLAS runs the
+flash-next widths well below HBM bandwidth (out_proj/o_proj [2560, 6144]: 10.5 us + a 1.7 us split-K reduction
+against 7.3 us of bandwidth; the MoE router + shared expert [1416, 2560]: 7.8 us against 1.7 us).
+
+Each program owns BLOCK_N whole rows of W and walks all of K, so there is no split-K reduction: at the dispatched
+widths the rows alone give hundreds to thousands of programs (N / BLOCK_N), and each output is one program's
+fixed-order sum (deterministic; nothing but the output is written, one launch). The K loop is unrolled (K is a
+compile-time constant): Triton does not pipeline loads that feed no tl.dot, whatever num_stages says, but in
+straight-line code ptxas issues later chunks' loads ahead of this chunk's FMAs (8-16 vector loads deep in the sm_90
+SASS of the default tiles, compiled without a GPU; not yet timed). Weight loads are evict-first (read once); x is
+re-read from L1/L2 by every program. x and W are both loaded at the accumulator's shape [BT, BLOCK_N, BLOCK_K] (x's
+rows repeat), so both land in the same vectorised layout: with x loaded as [BT, 1, BLOCK_K], Triton converted the
+weight tile through shared memory on every chunk for some tiles.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# tokens per call up to which the kernel is dispatched: the FMA work grows with T while the bytes do not, and each
+# token adds BLOCK_N * BLOCK_K / threads fp32 accumulators per thread. 4 is an estimate (FMAs stay under half the
+# H200's issue rate at bandwidth) for bench/decode_kernels.py --parts gemv to confirm or lower.
+MAX_TOKENS = 4
+# programs wanted per launch (~8 per SM of an H200) before rows per program grow; an estimate, as above
+_MIN_PROGRAMS = 1024
+# the K loop is unrolled: longer rows would only grow the kernel's code
+_MAX_K = 16384
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, T, N, stride_x, stride_w, stride_y,
+    K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.arange(0, BT)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t3 = t[:, None, None]
+    rows3 = rows[None, :, None]
+    kk = tl.arange(0, BLOCK_K)[None, None, :]
+    acc = tl.zeros((BT, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        k = k0 + kk
+        w = tl.load(w_ptr + rows3 * stride_w + k, mask=(rows3 < N) & (k < K), other=0.0, eviction_policy="evict_first")
+        # x at the full tile shape (its rows repeat, L1 hits): loaded in the weight's layout, nothing to convert
+        x = tl.load(x_ptr + t3 * stride_x + rows3 * 0 + k, mask=(t3 < T) & (k < K), other=0.0)
+        acc += x.to(tl.float32) * w.to(tl.float32)
+    y = tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty)  # round to nearest even
+    tl.store(y_ptr + t[:, None] * stride_y + rows[None, :], y, mask=(t < T)[:, None] & (rows < N)[None, :])
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Few tokens, unit-stride rows of one float dtype, 16-byte aligned rows (vector loads), int32 offsets."""
+    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= MAX_TOKENS and x.shape[1] == weight.shape[1]
+            and x.shape[1] <= _MAX_K
+            and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(1) == 1 and weight.stride(1) == 1
+            and weight.stride(0) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and weight.shape[0] * weight.stride(0) < 2**31)
+
+
+def default_tiles(tokens: int, n: int, k: int, element_size: int = 2) -> dict:
+    """Tiles from static shapes only (a captured graph keeps its kernel). A K chunk of 32 lanes x 16 bytes gives each
+    lane of a warp one vector load per row, and the row sum stays within the warp. Rows per program: the most that
+    still leaves _MIN_PROGRAMS programs (more rows = fewer loads of x), between 4 and 16 / tokens (accumulator
+    registers; the sm_90 build of these tiles at the flash-next widths and T <= 4 does not spill)."""
+    bt = triton.next_power_of_2(tokens)
+    block_n = 4
+    while block_n * bt < 16 and triton.cdiv(n, 2 * block_n) >= _MIN_PROGRAMS:
+        block_n *= 2
+    block_k = min(512 // element_size, triton.next_power_of_2(k))
+    return dict(block_n=max(1, min(block_n, 16 // bt)), block_k=block_k, num_warps=4)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
+         num_warps: int | None = None) -> torch.Tensor:
+    """F.linear(x, weight) for x [T, K], weight [N, K] (any T; `supported` says when it is dispatched). Tiles default
+    to `default_tiles`; bench/decode_kernels.py sweeps them."""
+    T, K = x.shape
+    N = weight.shape[0]
+    tiles = default_tiles(T, N, K, x.element_size())
+    block_n, block_k = block_n or tiles["block_n"], block_k or tiles["block_k"]
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, y, T, N, x.stride(0), weight.stride(0), y.stride(0),
+        K=K, BT=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps or tiles["num_warps"],
+    )
+    return y

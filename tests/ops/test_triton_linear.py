@@ -1,0 +1,123 @@
+"""Few-token Triton GEMV against F.linear (interpreted on CPU), and its dispatch from ops.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from conftest import on_device
+
+import qwen4exp.ops as ops
+from qwen4exp.ops import linear as linear_ops
+from qwen4exp.ops.triton_linear import MAX_TOKENS, default_tiles, gemv, supported
+
+gemv = on_device(gemv)
+
+
+def _inputs(tokens, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed + 131 * tokens + n + k)
+    x = torch.randn(tokens, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    return x, w
+
+
+def _tol(dtype):
+    # bf16: the interpreter (Triton 3.9) truncates fp32 -> bf16 where the GPU rounds to nearest: within one ulp
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,n,k,tiles", [
+    (1, 40, 256, {}),
+    (MAX_TOKENS, 24, 128, {}),
+    (3, 24, 128, {}),
+    # N and K not multiples of the blocks: a partial last row block and a masked last K chunk
+    (1, 37, 200, dict(block_n=4, block_k=64)),
+    (MAX_TOKENS, 19, 200, dict(block_n=8, block_k=32, num_warps=2)),
+    (2, 5, 72, dict(block_n=1, block_k=16, num_warps=1)),
+])
+def test_matches_f_linear(dtype, tokens, n, k, tiles):
+    x, w = _inputs(tokens, n, k, dtype)
+    y = gemv(x, w, **tiles)
+    assert y.dtype == dtype and y.shape == (tokens, n)
+    torch.testing.assert_close(y, F.linear(x, w), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows(dtype):
+    """x as a column slice of a wider activation (row stride > K) and W as rows of a wider, padded buffer."""
+    tokens, n, k = 2, 21, 96
+    x_wide, w_wide = _inputs(tokens, n + 3, k + 32, dtype, seed=5)
+    x, w = x_wide[:, 16: 16 + k], w_wide[:n, :k]
+    y = gemv(x, w, block_n=4, block_k=32)
+    torch.testing.assert_close(y, F.linear(x, w), **_tol(dtype))
+
+
+def test_every_k_chunk_and_row_counts():
+    """x nonzero in one K chunk at a time (the masked tail included) and W nonzero in one row at a time: a dropped or
+    repeated chunk, or a misplaced row, gives a wrong (or zero) output."""
+    tokens, n, k, block_k = 2, 10, 100, 32
+    x, w = _inputs(tokens, n, k, torch.float32, seed=9)
+    for k0 in range(0, k, block_k):
+        xc = torch.zeros_like(x)
+        xc[:, k0: k0 + block_k] = x[:, k0: k0 + block_k]
+        torch.testing.assert_close(gemv(xc, w, block_n=4, block_k=block_k), F.linear(xc, w), rtol=1e-5, atol=1e-6)
+    for row in range(n):
+        wr = torch.zeros_like(w)
+        wr[row] = w[row]
+        torch.testing.assert_close(gemv(x, wr, block_n=4, block_k=block_k), F.linear(x, wr), rtol=1e-5, atol=1e-6)
+
+
+def test_supported_shapes():
+    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(40, 64, dtype=torch.bfloat16)
+    assert supported(x, w)
+    assert supported(torch.zeros(MAX_TOKENS, 64, dtype=torch.bfloat16), w)
+    assert not supported(torch.zeros(MAX_TOKENS + 1, 64, dtype=torch.bfloat16), w)
+    assert not supported(x.float(), w)  # mixed dtypes
+    assert not supported(torch.zeros(1, 60, dtype=torch.bfloat16), torch.zeros(40, 60, dtype=torch.bfloat16))  # rows
+    assert not supported(x, w.t().contiguous().t())  # K not unit-stride in W
+
+
+def test_tiles_depend_on_shapes_only():
+    """Defaults at the flash-next widths (what a captured decode graph runs); T only narrows the row block."""
+    assert default_tiles(1, 2560, 6144) == dict(block_n=4, block_k=256, num_warps=4)
+    assert default_tiles(1, 16480, 2560)["block_n"] == 16
+    assert default_tiles(4, 16480, 2560)["block_n"] == 4
+    assert default_tiles(1, 2560, 6144, element_size=4)["block_k"] == 128
+
+
+def test_cpu_path_is_f_linear():
+    x, w = _inputs(2, 24, 64, torch.float32)
+    b = torch.randn(24)
+    assert torch.equal(linear_ops.linear(x, w), F.linear(x, w))
+    assert torch.equal(linear_ops.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_dispatch_on_the_fast_path(monkeypatch):
+    """With the fast path on (the interpreter stands in for the GPU), few tokens take the kernel, including the padded
+    merged weight of merged_linear; more tokens and biases take F.linear."""
+    calls = []
+    import qwen4exp.ops.triton_linear as tlin
+
+    real = tlin.gemv
+    monkeypatch.setattr(tlin, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(ops, "fast_path", lambda x: True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.empty(r, 32, device=dev), requires_grad=False) for r in (5, 1, 7)]
+    mods = [torch.nn.Module() for _ in params]
+    for m, p in zip(mods, params):
+        m.weight = p
+    linear_ops.merge_rows_([(m, "weight") for m in mods])  # 13 rows + 3 zero rows of padding, as the model
+    for m in mods:
+        m.weight.copy_(torch.randn(m.weight.shape, generator=g).to(dev))
+    weights = [m.weight for m in mods]
+    for tokens in (1, MAX_TOKENS, MAX_TOKENS + 1):
+        x = torch.randn(tokens, 32, generator=g).to(dev)
+        got = linear_ops.merged_linear(x, weights)
+        for y, w in zip(got, weights):
+            torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert calls == [1, MAX_TOKENS]
+    linear_ops.linear(x[:1], weights[0], torch.zeros(5, device=dev))
+    assert calls == [1, MAX_TOKENS]
