@@ -39,5 +39,6 @@ class GatedDeltaNet(nn.Module):
             q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim), v.reshape(T, -1, self.head_v_dim),
             b, a, self.A_log, self.dt_bias, state.ssm, meta,
         )
-        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(T, -1)
+        # [T, Hv, Dv] views: flattening z's heads into rows would copy it (its rows are strided) when T > 1
+        core = self.norm(core, z.reshape(T, -1, self.head_v_dim)).reshape(T, -1)
         return self.out_proj(core)
