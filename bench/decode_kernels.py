@@ -1,6 +1,6 @@
 """Decode-size fast kernels at flash-next widths (bf16, H200): per-call time inside a CUDA graph, with tile sweeps.
 
-    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route,gemv]
+    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route,gemv,gdn]
 
   hc mix:   `ops.triton_hc.hc_mix_decode` against the inductor-compiled reference (4 streams x 2560, low rank 320),
             T = 1, 2, 4; tiles swept at T = 1.
@@ -12,6 +12,10 @@
             router + shared expert, GDN in_proj, attention q/k/v + indexer; lm_head for reference), T = 1, 2, 4; tiles
             swept at T = 1. Each call reads its own copy of the weight (>= 256 MB of copies per shape), as each layer
             does, so no call finds its weight in L2.
+  gdn:      GDN decode core (16 key heads x 128, 48 value heads x 128, fp32 state), batch 1 and 64: gdn_gates
+            (inductor) + the recurrent kernel against the kernel computing the gates from the raw b, a projections;
+            the fused kernel's value-tile widths (128 = one program per head, what folding the output norm into
+            it would take) and the gated RMS norm after it, as the model called it before and as it calls it now.
 
 Each variant is captured in a CUDA graph of `calls` calls (a decode step's worth), replayed 30 times; prints the
 median microseconds per call, the weight bytes per call over that time, and the max difference from the reference.
@@ -252,16 +256,81 @@ def bench_gemv(results):
           f"shapes: " + ", ".join(f"T={t}: {v:.0f}" for t, v in saved.items()), flush=True)
     results["gemv"] = dict(shapes=out, max_winning_tokens=max(wins, default=0), us_saved_per_step=saved)
 
+def bench_gdn(results):
+    from qwen4exp.ops.gated_delta import gdn_gates
+    from qwen4exp.ops.norm import gated_rms_norm
+    from qwen4exp.ops.triton_gdn import (
+        _block_v,
+        fused_recurrent_gated_delta_rule,
+        fused_recurrent_gated_delta_rule_raw,
+    )
+
+    hk, hv, d, dev, dt, layers = 16, 48, 128, "cuda", torch.bfloat16, 36
+    g = torch.Generator(device=dev).manual_seed(0)
+    A_log = torch.rand(hv, device=dev, generator=g) * 2.7  # decay rates 1 .. 15, fp32 as the loader keeps them
+    dt_bias = torch.randn(hv, device=dev, generator=g)
+    norm_w = (torch.rand(d, device=dev, generator=g) + 0.5).to(dt)
+    rows = []
+    for batch in (1, 64):
+        qkv = torch.randn(batch, 2 * hk * d + hv * d, device=dev, generator=g).to(dt)  # the conv's output
+        q, k, v = qkv.split([hk * d, hk * d, hv * d], -1)
+        q, k, v = q.reshape(batch, hk, d), k.reshape(batch, hk, d), v.reshape(batch, hv, d)
+        # the merged in_proj output: z, b, a are strided views of it, as in GatedDeltaNet
+        proj = torch.randn(batch, qkv.shape[1] + hv * d + 2 * hv, device=dev, generator=g).to(dt)
+        z, b, a = proj[:, qkv.shape[1]:].split([hv * d, hv, hv], -1)
+        slots = torch.arange(1, batch + 1, device=dev)
+        has_init = torch.ones(batch, dtype=torch.bool, device=dev)
+        state = torch.randn(batch + 1, hv, d, d, device=dev, generator=g) * 0.05
+        s_sep, s_fused = state.clone(), state.clone()
+
+        def separate(st=s_sep):
+            beta, gg = gdn_gates(b, a, A_log, dt_bias)
+            return fused_recurrent_gated_delta_rule(q, k, v, gg, beta, st, slots, has_init)
+
+        def fused(st=s_fused, bv=None):
+            return fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, st, slots, has_init,
+                                                        block_v=bv)
+
+        ref_state, got_state = state.clone(), state.clone()
+        ref, got = separate(ref_state), fused(got_state)
+        row = dict(batch=batch, default_block_v=_block_v(batch * hv, d),
+                   max_abs_diff_out=(ref.float() - got.float()).abs().max().item(),
+                   max_abs_diff_state=(ref_state - got_state).abs().max().item())
+        beta, gg = gdn_gates(b, a, A_log, dt_bias)
+        row["gates_us"] = per_call_us(lambda: gdn_gates(b, a, A_log, dt_bias), calls=layers)
+        row["recurrent_us"] = per_call_us(
+            lambda: fused_recurrent_gated_delta_rule(q, k, v, gg, beta, s_sep, slots, has_init), calls=layers)
+        row["gates_plus_recurrent_us"] = per_call_us(separate, calls=layers)
+        row["fused_us"] = per_call_us(fused, calls=layers)
+        row["fused_by_block_v_us"] = {bv: per_call_us(lambda: fused(bv=bv), calls=layers)
+                                      for bv in (8, 16, 32, 64, 128)}
+        # the output norm: over [T*Hv, D] rows, where z's reshape is a copy at batch > 1 (before), and over the
+        # [T, Hv, D] views (now)
+        row["norm_before_us"] = per_call_us(
+            lambda: gated_rms_norm(got.reshape(-1, d), z.reshape(-1, d), norm_w, 1e-6, "sigmoid"), calls=layers)
+        row["norm_now_us"] = per_call_us(
+            lambda: gated_rms_norm(got, z.reshape(batch, hv, d), norm_w, 1e-6, "sigmoid"), calls=layers)
+        rows.append(row)
+        tiles = ", ".join(f"{bv}: {us:.2f}" for bv, us in row["fused_by_block_v_us"].items())
+        print(f"gdn B={batch}: gates {row['gates_us']:.2f} us + recurrent {row['recurrent_us']:.2f} us, together "
+              f"{row['gates_plus_recurrent_us']:.2f} us; fused {row['fused_us']:.2f} us "
+              f"(block_v {row['default_block_v']}); max |diff| out {row['max_abs_diff_out']:.3g}, state "
+              f"{row['max_abs_diff_state']:.3g}", flush=True)
+        print(f"gdn B={batch}: fused by block_v (us) {tiles}; gated norm before {row['norm_before_us']:.2f} us, "
+              f"now {row['norm_now_us']:.2f} us", flush=True)
+    results["gdn"] = rows
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--parts", default="hc,moe,align,route,gemv")
+    ap.add_argument("--parts", default="hc,moe,align,route,gemv,gdn")
     a = ap.parse_args()
     results = {"device": torch.cuda.get_device_name()}
+    parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
+             "gdn": bench_gdn}
     for part in a.parts.split(","):
-        {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv}[part](
-            results)
+        parts[part](results)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "decode_kernels.json"), "w") as f:

@@ -35,10 +35,10 @@ class GatedDeltaNet(nn.Module):
             x, [self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight])
         qkv = ops.conv.causal_conv1d(qkv, self.conv1d.weight[:, 0, :], state.conv, meta)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta, g = ops.gated_delta.gdn_gates(b, a, self.A_log, self.dt_bias)
-        core = ops.gated_delta.gated_delta_rule(
+        core = ops.gated_delta.gated_delta_rule_raw(
             q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim), v.reshape(T, -1, self.head_v_dim),
-            g, beta, state.ssm, meta,
+            b, a, self.A_log, self.dt_bias, state.ssm, meta,
         )
-        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(T, -1)
+        # [T, Hv, Dv] views: flattening z's heads into rows would copy it (its rows are strided) when T > 1
+        core = self.norm(core, z.reshape(T, -1, self.head_v_dim)).reshape(T, -1)
         return ops.linear.linear(core, self.out_proj.weight)

@@ -116,6 +116,21 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
+def gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, ssm_state, meta) -> torch.Tensor:
+    """gated_delta_rule from the gate projections b, a [T, Hv] (beta, g = gdn_gates(b, a, A_log, dt_bias)).
+    GPU, a step of one-token requests: the recurrent kernel computes the gates itself, so the decode step runs no
+    gate kernels. Any other step, and the CPU, computes the gates first and takes gated_delta_rule."""
+    from . import fast_path
+
+    if fast_path(v) and meta.num_decode_reqs == meta.num_reqs:
+        from .triton_gdn import fused_recurrent_gated_delta_rule_raw
+
+        return fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, ssm_state, meta.state_slots,
+                                                    meta.has_initial)
+    beta, g = gdn_gates(b, a, A_log, dt_bias)
+    return gated_delta_rule(q, k, v, g, beta, ssm_state, meta)
+
+
 def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
     """Step-level dispatch. GPU: one-token requests take the fused recurrent kernel (in place on the slots);
     prefill chunks take fla's varlen chunk kernel when installed. CPU: the reference."""

@@ -24,7 +24,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int 
 
 @compiled_on_gpu
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str):
-    """GDN output norm: w * (x / rms(x)) * act(gate), norm before gate. x, gate: [N, D]; weight: [D] (not centred).
+    """GDN output norm: w * (x / rms(x)) * act(gate), norm before gate. x, gate: [..., D]; weight: [D] (not centred).
 
     The normalised value is rounded to x's dtype before the weight multiply, then gated in fp32 (as the reference).
     """

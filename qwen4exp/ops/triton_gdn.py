@@ -8,29 +8,49 @@ where has_initial_state[b] is False), q and k L2-normalised (eps 1e-6) and q sca
 Returns o [B*L, Hv, Dv] in v's dtype; writes the state after the last token back into ssm_state[state_slots[b]]
 (in place) and, when given, the state after every token into intermediate_states [B, L, Hv, Dk, Dv] fp32.
 
+`fused_recurrent_gated_delta_rule_raw` takes the gate projections instead of g and beta: b, a [B*L, Hv] (views of
+the merged in_proj output are fine) with A_log, dt_bias [Hv], and computes the gates of `gated_delta.gdn_gates` in
+the kernel, with its dtypes: beta = sigmoid(b) rounded to b's dtype, g = -exp(A_log) * softplus(a + dt_bias) in fp32.
+
 Everything per request is read from device tensors and all shapes are fixed by B, so the call can be captured in a
 CUDA graph. Padding rows carry slot 0 (the null slot): they read and write slot 0 only, which may hold garbage.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .gated_delta import recurrent_gated_delta_rule_ref
+
+# Triton decides at decoration time whether a kernel runs in its interpreter; the flag is fixed at import here alike.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Below this many programs an H200 (132 SMs) is underfed, so small batches get narrower value tiles.
 _MIN_PROGRAMS = 256
 
 
 @triton.jit
+def _round_to_bf16(x):
+    """fp32 -> nearest bf16 (ties to even), kept in fp32, for finite x. The bits are rounded by hand because the
+    interpreter's fp32 -> bf16 cast truncates; on the GPU this equals the cast."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fused_recurrent_gdn_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, has_init_ptr, inter_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, slots_ptr, has_init_ptr,
+    inter_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk, stride_sv,
     stride_ib, stride_il, stride_ih, stride_ik, stride_iv,
     scale,
     L: tl.constexpr, HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, STORE_INTER: tl.constexpr,
+    RAW_GATES: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -44,6 +64,9 @@ def _fused_recurrent_gdn_kernel(
     # The mask is built at full shape (not scalar & tile): a fresh request's slot may hold NaNs, which must not be read.
     init_mask = (tl.zeros([DK, BV], dtype=tl.int32) + has_init) != 0
     state = tl.load(s_ptrs, mask=init_mask, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        neg_decay_rate = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
     for t in range(L):
         tok = b * L + t
@@ -52,6 +75,21 @@ def _fused_recurrent_gdn_kernel(
         v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + offs_v).to(tl.float32)
         g = tl.load(g_ptr + tok * stride_gt + h * stride_gh).to(tl.float32)
         beta = tl.load(beta_ptr + tok * stride_bt + h * stride_bh).to(tl.float32)
+        if RAW_GATES:  # g, beta hold the projections a, b
+            x = g + dt_bias
+            # torch's softplus (threshold 20); the clamp only keeps exp finite in the branch the where drops
+            y = tl.exp(tl.minimum(x, 20.0))
+            if INTERPRETED:  # no extern libdevice calls there: log1p from log, accurate to a few ulp (Goldberg)
+                u = 1.0 + y
+                log1p_y = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+            else:  # what inductor emits for the compiled gdn_gates
+                log1p_y = libdevice.log1p(y)
+            g = neg_decay_rate * tl.where(x > 20.0, x, log1p_y)
+            beta = tl.sigmoid(beta)
+            if beta_ptr.dtype.element_ty == tl.bfloat16:
+                beta = _round_to_bf16(beta)
+            else:
+                beta = beta.to(beta_ptr.dtype.element_ty).to(tl.float32)
         # Every value tile needs the full norms, so each program normalises its own copy of q and k.
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
@@ -80,6 +118,45 @@ def _block_v(num_heads_total: int, dv: int) -> int:
     return bv
 
 
+def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_state, L, intermediate_states, block_v):
+    total, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    B = state_slots.shape[0]
+    assert total == B * L and k.shape == q.shape and v.shape[0] == total, "q/k/v must hold B*L tokens"
+    assert hv % hk == 0 and _is_pow2(dk) and _is_pow2(dv), "grouped heads; Dk and Dv powers of two"
+    assert g.shape == (total, hv) and beta.shape == (total, hv)
+    assert ssm_state.dtype == torch.float32 and ssm_state.shape[1:] == (hv, dk, dv)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert state_slots.dtype == torch.int64 and has_initial_state.shape == (B,)
+    if intermediate_states is not None:
+        assert intermediate_states.dtype == torch.float32 and intermediate_states.shape == (B, L, hv, dk, dv)
+    if gate_params is not None:
+        assert all(p.shape == (hv,) and p.stride(0) == 1 for p in gate_params), "A_log and dt_bias: [Hv]"
+    bv = block_v or _block_v(B * hv, dv)
+    assert _is_pow2(bv) and bv <= dv
+
+    out = torch.empty((total, hv, dv), dtype=v.dtype, device=v.device)
+    if total == 0:
+        return out
+    # A bool tensor reinterpreted as bytes costs nothing and keeps the kernel's pointer type simple.
+    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    inter = intermediate_states if intermediate_states is not None else ssm_state  # never written when absent
+    inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
+    a_log, dt_bias = gate_params if gate_params is not None else (g, g)  # never read without RAW_GATES
+    _fused_recurrent_gdn_kernel[(B, hv, dv // bv)](
+        q, k, v, g, beta, a_log, dt_bias, out, ssm_state, state_slots, has_init, inter,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        *ssm_state.stride(),
+        *inter_strides,
+        dk ** -0.5,
+        L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
+        RAW_GATES=gate_params is not None, INTERPRETED=_INTERPRETED,
+        num_warps=max(1, min(4, dk * bv // 1024)),
+    )
+    return out
+
+
 def fused_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -94,38 +171,29 @@ def fused_recurrent_gated_delta_rule(
     block_v: int | None = None,
 ) -> torch.Tensor:
     """See the module docstring. block_v overrides the value-tile width (a power of two dividing Dv)."""
-    total, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    L = num_tokens_per_req
-    B = state_slots.shape[0]
-    assert total == B * L and k.shape == q.shape and v.shape[0] == total, "q/k/v must hold B*L tokens"
-    assert hv % hk == 0 and _is_pow2(dk) and _is_pow2(dv), "grouped heads; Dk and Dv powers of two"
-    assert ssm_state.dtype == torch.float32 and ssm_state.shape[1:] == (hv, dk, dv)
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    assert state_slots.dtype == torch.int64 and has_initial_state.shape == (B,)
-    if intermediate_states is not None:
-        assert intermediate_states.dtype == torch.float32 and intermediate_states.shape == (B, L, hv, dk, dv)
-    bv = block_v or _block_v(B * hv, dv)
-    assert _is_pow2(bv) and bv <= dv
+    return _launch(q, k, v, g, beta, None, ssm_state, state_slots, has_initial_state, num_tokens_per_req,
+                   intermediate_states, block_v)
 
-    out = torch.empty((total, hv, dv), dtype=v.dtype, device=v.device)
-    if total == 0:
-        return out
-    # A bool tensor reinterpreted as bytes costs nothing and keeps the kernel's pointer type simple.
-    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
-    inter = intermediate_states if intermediate_states is not None else ssm_state  # never written when absent
-    inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
-    _fused_recurrent_gdn_kernel[(B, hv, dv // bv)](
-        q, k, v, g, beta, out, ssm_state, state_slots, has_init, inter,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
-        *ssm_state.stride(),
-        *inter_strides,
-        dk ** -0.5,
-        L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
-        num_warps=max(1, min(4, dk * bv // 1024)),
-    )
-    return out
+
+def fused_recurrent_gated_delta_rule_raw(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    num_tokens_per_req: int = 1,
+    intermediate_states: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """fused_recurrent_gated_delta_rule(q, k, v, g, beta, ...) with (beta, g) = gdn_gates(b, a, A_log, dt_bias)
+    computed inside the kernel: the gate kernels' launches disappear from the decode step."""
+    return _launch(q, k, v, a, b, (A_log, dt_bias), ssm_state, state_slots, has_initial_state, num_tokens_per_req,
+                   intermediate_states, block_v)
 
 
 def fused_recurrent_gated_delta_rule_ref(

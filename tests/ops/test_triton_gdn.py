@@ -9,10 +9,15 @@ pytest.importorskip("triton")
 import torch
 from conftest import on_device
 
-from qwen4exp.ops.gated_delta import chunk_gated_delta_rule_ref
-from qwen4exp.ops.triton_gdn import fused_recurrent_gated_delta_rule, fused_recurrent_gated_delta_rule_ref
+from qwen4exp.ops.gated_delta import chunk_gated_delta_rule_ref, gdn_gates
+from qwen4exp.ops.triton_gdn import (
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_raw,
+    fused_recurrent_gated_delta_rule_ref,
+)
 
 fused_recurrent_gated_delta_rule = on_device(fused_recurrent_gated_delta_rule)
+fused_recurrent_gated_delta_rule_raw = on_device(fused_recurrent_gated_delta_rule_raw)
 
 NUM_SLOTS = 9
 
@@ -122,3 +127,98 @@ def test_token_by_token_matches_chunked_form(L):
         ref, final = chunk_gated_delta_rule_ref(q[b], k[b], v[b], g[b], beta[b], start, chunk=8)
         torch.testing.assert_close(out[b], ref, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(state[slots[b]], final, rtol=1e-4, atol=1e-5)
+
+
+def _raw_gate_inputs(n, hv, dtype, gen):
+    """b, a as strided views of one merged projection (z, b, a, padding, as GatedDeltaNet's in_proj), with a + dt_bias
+    spanning softplus's regimes: far below zero (exp underflows), around zero, near and past the threshold 20, and
+    past fp32 exp's overflow (88)."""
+    z_width, pad = 3 * hv, 5
+    proj = (torch.randn(n, z_width + 2 * hv + pad, generator=gen) * 4).to(dtype)
+    b, a = proj[:, z_width:z_width + hv], proj[:, z_width + hv:z_width + 2 * hv]
+    extremes = torch.tensor([-120.0, -30.0, -8.0, 19.5, 20.5, 35.0, 95.0])
+    pick = torch.randint(0, 3, (n, hv), generator=gen) == 0  # a third of the entries
+    a.copy_(torch.where(pick, extremes[torch.randint(0, len(extremes), (n, hv), generator=gen)], a.float()).to(dtype))
+    A_log = torch.rand(hv, generator=gen) * 4 - 2  # decay rates exp(A_log) in [0.14, 7.4]
+    dt_bias = torch.randn(hv, generator=gen)
+    return b, a, A_log, dt_bias
+
+
+def _raw_case(hk, hv, dk, dv, L, dtype, seed=0):
+    slots, has_init, real = _batch()
+    B = slots.numel()
+    q, k, v, _, _, state = _inputs(B, L, hk, hv, dk, dv, dtype, seed)
+    state[slots[1]] = float("nan")  # a fresh request must not read its slot
+    b, a, A_log, dt_bias = _raw_gate_inputs(B * L, hv, dtype, torch.Generator().manual_seed(seed + 100))
+    return q, k, v, b, a, A_log, dt_bias, state, slots, has_init, real
+
+
+def _raw_reference(q, k, v, beta, g, state, slots, has_init, L):
+    ref_state, ref_inter = state.clone(), torch.zeros(slots.numel(), L, *state.shape[1:])
+    ref = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, has_init, L, ref_inter)
+    return ref, ref_state, ref_inter
+
+
+def _assert_matches(out, fast_state, fast_inter, ref, ref_state, ref_inter, slots, real, L, dtype):
+    tok_real = real.repeat_interleave(L)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out[tok_real].float(), ref[tok_real].float(), **tol)
+    torch.testing.assert_close(fast_state[slots[real]], ref_state[slots[real]], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_inter[real], ref_inter[real], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "hk,hv,dk,dv,L,dtype,block_v",
+    [
+        (2, 4, 16, 16, 1, torch.float32, None),
+        (1, 3, 16, 32, 3, torch.float32, 8),
+        (2, 6, 16, 16, 1, torch.bfloat16, None),
+        (1, 2, 16, 16, 3, torch.bfloat16, 16),
+        (2, 4, 16, 16, 1, torch.float16, None),
+        (1, 2, 128, 128, 1, torch.bfloat16, 32),
+    ],
+)
+def test_raw_gates_match_gdn_gates_then_reference(hk, hv, dk, dv, L, dtype, block_v):
+    """The kernel's own gates = gdn_gates (beta rounded to the input dtype, g in fp32) fed to the reference."""
+    q, k, v, b, a, A_log, dt_bias, state, slots, has_init, real = _raw_case(hk, hv, dk, dv, L, dtype)
+    fast_state = state.clone()
+    fast_inter = torch.full((slots.numel(), L, *state.shape[1:]), float("nan"))
+    out = fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, fast_state, slots, has_init, L,
+                                               intermediate_states=fast_inter, block_v=block_v)
+    beta, g = gdn_gates(b, a, A_log, dt_bias)
+    assert torch.isfinite(g).all() and (g <= 0).all()
+    ref, ref_state, ref_inter = _raw_reference(q, k, v, beta, g, state, slots, has_init, L)
+    assert out.dtype == v.dtype and out.shape == v.shape
+    _assert_matches(out, fast_state, fast_inter, ref, ref_state, ref_inter, slots, real, L, dtype)
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(fast_state[untouched], state[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_raw_gates_test_detects_wrong_gate_math(dtype):
+    """The inputs above are sensitive: gates computed slightly wrong (dt_bias or A_log ignored, a and b swapped,
+    beta not rounded to the input dtype) give states the comparison above rejects."""
+    L = 2
+    q, k, v, b, a, A_log, dt_bias, state, slots, has_init, real = _raw_case(1, 2, 16, 16, L, dtype, seed=4)
+    fast_state = state.clone()
+    fast_inter = torch.zeros(slots.numel(), L, *state.shape[1:])
+    out = fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, fast_state, slots, has_init, L,
+                                               intermediate_states=fast_inter)
+    beta, g = gdn_gates(b, a, A_log, dt_bias)
+    wrong = {
+        "dt_bias ignored": gdn_gates(b, a, A_log, torch.zeros_like(dt_bias)),
+        "A_log ignored": gdn_gates(b, a, torch.zeros_like(A_log), dt_bias),
+        "a and b swapped": gdn_gates(a, b, A_log, dt_bias),
+    }
+    if dtype != torch.float32:
+        wrong["beta kept in fp32"] = (torch.sigmoid(b.float()), g)
+    for name, (wrong_beta, wrong_g) in wrong.items():
+        ref = _raw_reference(q, k, v, wrong_beta, wrong_g, state, slots, has_init, L)
+        try:
+            _assert_matches(out, fast_state, fast_inter, *ref, slots, real, L, dtype)
+        except AssertionError:
+            continue
+        pytest.fail(f"{name}: not detected")
+    _assert_matches(out, fast_state, fast_inter, *_raw_reference(q, k, v, beta, g, state, slots, has_init, L),
+                    slots, real, L, dtype)
