@@ -29,7 +29,7 @@ from .gated_delta import recurrent_gated_delta_rule_ref
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Below this many programs an H200 (132 SMs) is underfed, so small batches get narrower value tiles.
-_MIN_PROGRAMS = 256
+_MIN_PROGRAMS = 128
 
 
 @triton.jit
@@ -112,7 +112,9 @@ def _is_pow2(n: int) -> bool:
 
 
 def _block_v(num_heads_total: int, dv: int) -> int:
-    bv = min(dv, 32)
+    # H200, Dv = 128 (bench/decode_kernels.py --parts gdn, us per call by width 8/16/32/64/128): 48 heads (batch 1)
+    # 4.4/3.9/3.8/4.0/5.7, 3072 heads (batch 64) 363/202/127/110/116
+    bv = min(dv, 64)
     while bv > 8 and num_heads_total * (dv // bv) < _MIN_PROGRAMS:
         bv //= 2
     return bv

@@ -20,12 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-# tokens per call up to which the kernel is dispatched: the FMA work grows with T while the bytes do not, and each
-# token adds BLOCK_N * BLOCK_K / threads fp32 accumulators per thread. 4 is an estimate (FMAs stay under half the
-# H200's issue rate at bandwidth) for bench/decode_kernels.py --parts gemv to confirm or lower.
-MAX_TOKENS = 4
-# programs wanted per launch (~8 per SM of an H200) before rows per program grow; an estimate, as above
-_MIN_PROGRAMS = 1024
+# tokens per call up to which the kernel is dispatched: from T = 2 cuBLAS was faster at every decode shape (H200,
+# bench/decode_kernels.py --parts gemv)
+MAX_TOKENS = 1
 # the K loop is unrolled: longer rows would only grow the kernel's code
 _MAX_K = 16384
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -63,15 +60,14 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def default_tiles(tokens: int, n: int, k: int, element_size: int = 2) -> dict:
     """Tiles from static shapes only (a captured graph keeps its kernel). A K chunk of 32 lanes x 16 bytes gives each
-    lane of a warp one vector load per row, and the row sum stays within the warp. Rows per program: the most that
-    still leaves _MIN_PROGRAMS programs (more rows = fewer loads of x), between 4 and 16 / tokens (accumulator
-    registers; the sm_90 build of these tiles at the flash-next widths and T <= 4 does not spill)."""
-    bt = triton.next_power_of_2(tokens)
-    block_n = 4
-    while block_n * bt < 16 and triton.cdiv(n, 2 * block_n) >= _MIN_PROGRAMS:
-        block_n *= 2
-    block_k = min(512 // element_size, triton.next_power_of_2(k))
-    return dict(block_n=max(1, min(block_n, 16 // bt)), block_k=block_k, num_warps=4)
+    lane of a warp one vector load per row, and the row sum stays within the warp. One row per one-warp program was
+    fastest at K = 2560 and four rows per four-warp program with 32-byte loads at K = 6144 (H200, T = 1,
+    bench/decode_kernels.py --parts gemv: router + shared expert [1416, 2560] 3.7 us, GDN in_proj [16480, 2560]
+    20.5 us, attention q/k/v [13952, 2560] 18.2 us, out_proj [2560, 6144] 9.4 us; cuBLAS 8.2, 22.9, 20.7, 12.1)."""
+    lane_k = 16 // element_size * 32
+    if k >= 4096:
+        return dict(block_n=4, block_k=min(2 * lane_k, triton.next_power_of_2(k)), num_warps=4)
+    return dict(block_n=1, block_k=min(lane_k, triton.next_power_of_2(k)), num_warps=1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
