@@ -7,7 +7,7 @@ matrix turns several small GEMMs into one larger, better-fed one, with no extra 
 The buffer ends with zero rows up to a multiple of ROW_ALIGN: an output row of 1409 bf16 values (the MoE router,
 shared gate and shared expert) is not 16-byte aligned, and cuBLAS then falls back to a kernel 3-4x slower.
 
-`linear` is F.linear, except for a few tokens on the GPU (decode), where cuBLAS runs these widths well below HBM
+`linear` is F.linear, except for one token on the GPU (decode), where cuBLAS runs these widths well below HBM
 bandwidth: there it is one Triton GEMV launch (ops/triton_linear.py).
 """
 
