@@ -39,6 +39,15 @@ def preset(name: str):
     return load_model_config(d)
 
 
+def compile_counts() -> dict:
+    """Graphs dynamo has compiled and kernels in Triton's on-disk cache (one directory per compiled kernel) so far."""
+    from torch._dynamo.utils import counters
+
+    cache = os.environ.get("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+    kernels = len(os.listdir(cache)) if os.path.isdir(cache) else 0
+    return {"dynamo_graphs": int(counters["stats"]["unique_graphs"]), "triton_cache_entries": kernels}
+
+
 def copy_bandwidth(device, nbytes=4 << 30, iters=10) -> float:
     """Device-to-device copy, bytes read + written per second (median)."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -159,8 +168,14 @@ def stage_ours(results, device, quick=False):
         save(results)
         sweep = {}
         for conc in (1, 8, 32, 64):
+            before = compile_counts()
             sweep[conc] = throughput(engine, conc, 1024, 256)
-            log(f"concurrency {conc}: {sweep[conc]['output_throughput']:.0f} output tok/s")
+            after = compile_counts()
+            # compilations during the run (first use of a step shape): the 32-request run has shown multi-second
+            # stalls that its ITL percentiles do not
+            sweep[conc]["compiled_during_run"] = {k: after[k] - before[k] for k in after}
+            log(f"concurrency {conc}: {sweep[conc]['output_throughput']:.0f} output tok/s, max ITL "
+                f"{sweep[conc]['max_itl_ms']:.0f} ms, compiled {sweep[conc]['compiled_during_run']}")
             r["concurrency"] = sweep
             save(results)
     return engine
