@@ -15,7 +15,7 @@ from .detokenizer import IncrementalDetokenizer
 from .metrics import EngineMetrics
 from .request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import ModelRunner, RequestChunk, to_device
-from .sampler import SampledBatch, Sampler, prompt_logprobs
+from .sampler import SampledBatch, Sampler, prompt_logprobs, reads_history
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("qwen4exp")
@@ -33,11 +33,6 @@ def resolve_dtype(dtype, model_config: ModelConfig, device) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"dtype: unknown {dtype!r} (auto, float32, bfloat16, float16)")
     return names[dtype]
-
-
-def _reads_history(p: SamplingParams) -> bool:
-    """Sampling that depends on the request's previous ids, which async scheduling has not read yet."""
-    return bool(p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
 
 
 @dataclass
@@ -201,10 +196,11 @@ class LLMEngine:
         return outs
 
     def _overlap(self) -> bool:
-        """Asynchronous scheduling, unless a request's sampling reads its previous ids (penalties, min_tokens)."""
+        """Asynchronous scheduling, unless a request's sampling reads its previous ids (penalties, min_tokens), which
+        the host has not read yet while a step is in flight."""
         if not self.async_scheduling:
             return False
-        return not any(_reads_history(r.params) for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
+        return not any(reads_history(r.params) for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
 
     def _launch(self, sched: SchedulerOutput) -> "_Launched":
         """Builds the chunks, runs the model and the sampler without waiting for them; advances the requests."""
@@ -229,7 +225,8 @@ class LLMEngine:
                 pending_row=pending_row,
             ))
             spans.append((req, start, end, first))
-        logits = self.runner.execute(chunks, prev.sampled.token_ids if prev is not None and prev.sampled else None)
+        pending_ids = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
+        logits = self.runner.execute(chunks, pending_ids)
         row, sample_rows, sample_reqs, keep_logits = 0, [], [], False
         for req, start, end, first in spans:
             keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1
@@ -260,7 +257,7 @@ class LLMEngine:
                 return max(start, pending)
         return end - 1 if samples else end
 
-    def _complete(self, step: "_Launched") -> list[_Parent]:
+    def _complete(self, step: "_Launched") -> list[RequestOutput]:
         """Reads a launched step's samples (waiting for the device) and applies them; returns the outputs."""
         out = step.sampled.to_host() if step.sampled is not None else None
         row = prompt_tokens = 0

@@ -29,6 +29,12 @@ class RequestChunk:
     pending_row: int = -1
 
 
+def to_device(values, device, dtype=None) -> torch.Tensor:
+    """torch.tensor(values, device=device) without its stream synchronisation (a blocking host-to-device copy waits
+    for the GPU to finish everything queued, which would stall asynchronous scheduling)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def build_metadata(
     chunks: list[RequestChunk], config: ModelConfig, page_size: int, device, max_seq_len: int | None = None
 ) -> StepMetadata:
@@ -66,7 +72,7 @@ def build_metadata(
             blk_pos.append(firsts)
 
     def t(x, dtype=torch.long):
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+        return to_device(x, device, dtype)
 
     def cat(parts, *shape):
         return (torch.cat(parts) if parts else torch.zeros(0, *shape, dtype=torch.long)).to(device, non_blocking=True)
@@ -102,12 +108,6 @@ def build_metadata(
         num_decode_reqs=num_decode,
         max_seq_len=max_seq_len or max((c + len(ch.token_ids) for c, ch in zip(ctx, chunks)), default=1),
     )
-
-
-def to_device(values, device, dtype=None) -> torch.Tensor:
-    """torch.tensor(values, device=device) without its stream synchronisation (a blocking host-to-device copy waits
-    for the GPU to finish everything queued, which would stall asynchronous scheduling)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def fill_pending(input_ids: torch.Tensor, rows: list[tuple[int, int]], pending_ids: torch.Tensor | None) -> None:

@@ -52,10 +52,14 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: lis
     return logits
 
 
+def reads_history(p) -> bool:
+    """Whether sampling this request depends on its previous ids (min_tokens, penalties)."""
+    return bool(p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+
+
 def _adjusts_logits(p) -> bool:
     """Whether apply_penalties may change this request's row (else the raw logits are used without a copy)."""
-    return bool(p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty
-                or p.presence_penalty)
+    return bool(p.logit_bias) or reads_history(p)
 
 
 def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
