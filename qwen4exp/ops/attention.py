@@ -149,4 +149,4 @@ def paged_attention(q, key_cache, value_cache, meta, scale: float, selected=None
     from .triton_attention import sparse_paged_attention
 
     return sparse_paged_attention(q, key_cache, value_cache, meta.block_tables, meta.token_req, meta.token_pos,
-                                  scale, selected)
+                                  scale, selected, max_context=meta.max_seq_len)

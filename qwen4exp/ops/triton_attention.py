@@ -195,6 +195,7 @@ def sparse_paged_attention(
     scale: float,
     selected: torch.Tensor | None = None,
     num_splits: int | None = None,
+    max_context: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -203,6 +204,8 @@ def sparse_paged_attention(
 
     num_splits: key-range splits per (token, kv head); None picks `default_num_splits` from static sizes. A CUDA
     graph must be captured and replayed with the same value (it is a pure function of the shapes, so None is fine).
+    max_context: a bound on every token's context (e.g. the step's max_seq_len, fixed per decode graph); dense
+    attention then sizes its splits for it, rounded up to a power of two, instead of the block table's capacity.
     block_n / num_warps / num_stages: tuning overrides. Softmax and accumulation in fp32; returns q's dtype.
     """
     T, hq, D = q.shape
@@ -225,6 +228,8 @@ def sparse_paged_attention(
     else:
         W = 0
         max_keys = block_tables.shape[1] * page
+        if max_context is not None:  # a power of two: few distinct split counts, hence few kernel variants
+            max_keys = min(max_keys, triton.next_power_of_2(max_context))
         sel_arg, stride_sel = token_pos, 0  # never read: HAS_SEL is a constexpr
 
     block_d = triton.next_power_of_2(D)

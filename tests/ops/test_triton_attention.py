@@ -153,6 +153,8 @@ def test_decode_long_context_split():
     assert n > 1
     for splits in (1, 5, n, 40):  # 40: the merge reads splits in tiles of 16, the last one partial; most are empty
         torch.testing.assert_close(run(b, scale, num_splits=splits, block_n=32), expected, atol=1e-5, rtol=1e-5)
+    # a context bound (the step's max_seq_len) sizes the splits for 512 keys instead of the table's capacity
+    torch.testing.assert_close(run(b, scale, max_context=301, block_n=32), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_model_head_layout():
