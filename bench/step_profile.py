@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import sys
@@ -109,8 +110,138 @@ def prefill_part(engine, out_dir: str, results: dict) -> None:
             engine.step()
 
 
-def phases_part(engine, results: dict) -> None:
-    """The 64 x (1024 in, 256 out) run, with every step's wall time and token count recorded."""
+def prefill_batch_part(engine, out_dir: str, results: dict, n: int = 8, length: int = 1024) -> None:
+    """One eager step prefilling `n` prompts of `length` tokens (the steps of the 64-request run's prefill phase);
+    the first such step compiles, the second is profiled."""
+    vocab = engine.model_config.vocab_size
+    for seed in (11, 12):
+        for i, p in enumerate(random_prompts(n, length, vocab, seed=seed)):
+            engine.add_request(f"pb{seed}-{i}", {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+        if seed == 12:
+            results[f"prefill_{n}x{length}"] = profile_steps(engine, 1, out_dir, f"prefill_{n}x{length}")
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def prefill_host_part(engine, results: dict, n: int = 8, length: int = 1024) -> None:
+    """Unprofiled wall time of eager prefill steps of `n` x `length` tokens (synchronous scheduling, so one step is
+    one forward), then one such step under cProfile: where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    engine.async_scheduling, was = False, engine.async_scheduling
+    walls = []
+    prof = cProfile.Profile()
+    for rnd in range(4):
+        for i, p in enumerate(random_prompts(n, length, vocab, seed=40 + rnd)):
+            engine.add_request(f"ph{rnd}-{i}", {"prompt_token_ids": p}, params)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if rnd == 3:
+            prof.enable()
+        engine.step()
+        torch.cuda.synchronize()
+        if rnd == 3:
+            prof.disable()
+        walls.append(time.perf_counter() - t0)
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.async_scheduling = was
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    results[f"prefill_{n}x{length}_host"] = {"walls_ms": [w * 1e3 for w in walls], "cprofile": text.getvalue()}
+    log("prefill walls ms", [round(w * 1e3, 1) for w in walls])
+    log(text.getvalue()[:6000])
+
+
+def splits_part(engine, results: dict, rounds: int = 3) -> None:
+    """Batch-1 decode with one-bucket graphs whose dense attention sizes its key splits for the graph's context
+    bound, against graphs sized for the block table's capacity (the previous default); the engine's own graphs
+    (all buckets, bounded) as a third column. Alternating, one process."""
+    from qwen4exp.engine.cuda_graph import CUDAGraphRunner
+    from qwen4exp.ops import triton_attention
+
+    bounded = triton_attention.sparse_paged_attention
+
+    def unbounded(*a, max_context=None, **k):
+        return bounded(*a, **k)
+
+    def graphs(fn):
+        triton_attention.sparse_paged_attention = fn
+        try:
+            g = CUDAGraphRunner(engine.model, engine.cache, engine.config.max_model_len, 1, engine.device, [1])
+            g.capture()
+        finally:
+            triton_attention.sparse_paged_attention = bounded
+        return g
+
+    variants = {"engine": engine.runner.graphs, "bounded": graphs(bounded), "unbounded": graphs(unbounded)}
+    vocab = engine.model_config.vocab_size
+    prompt = random_prompts(1, 128, vocab, seed=3)
+    tpot = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, g in variants.items():
+            engine.runner.graphs = g
+            tpot[name].append(run_requests(engine, prompt, 128)["median_tpot_ms"])
+    engine.runner.graphs = variants["engine"]
+    results["splits_b1_tpot_ms"] = tpot
+    log("splits", tpot)
+
+
+def syncs_part(engine, results: dict) -> None:
+    """Device syncs inside the model's forward on a mixed step (8 decodes + 7 x 1k prompts): each one stalls the
+    launch queue. torch's sync debug mode reports them; the innermost frames in this repo or a library name each."""
+    import traceback
+    import warnings
+
+    vocab = engine.model_config.vocab_size
+    for i, p in enumerate(random_prompts(8, 64, vocab, seed=21)):
+        engine.add_request(f"sd{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=4, ignore_eos=True,
+                                                                            detokenize=False))
+    engine.step()
+    engine.step()
+    for i, p in enumerate(random_prompts(7, 1024, vocab, seed=22)):
+        engine.add_request(f"sp{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1, ignore_eos=True,
+                                                                            detokenize=False))
+    model = engine.runner.model
+    forward = model.forward
+    stacks = collections.Counter()
+
+    def keep(message, category, filename, lineno, file=None, line=None):
+        # called where the warning is issued, so the Python stack is the syncing call's
+        if "synchroniz" in str(message):
+            frames = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in traceback.extract_stack()[:-1]
+                      if "qwen4exp" in f.filename or "/fla/" in f.filename]
+            stacks[" <- ".join(reversed(frames[-4:]))] += 1
+
+    def watched(*a, **k):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return forward(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    show = warnings.showwarning
+    model.forward, warnings.showwarning = watched, keep
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = keep
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        model.forward, warnings.showwarning = forward, show
+    results["syncs_in_forward"] = {"stacks": stacks.most_common(30), "total": sum(stacks.values())}
+    log("syncs", results["syncs_in_forward"])
+
+
+def phases_part(engine, results: dict, budget: int | None = None) -> None:
+    """The 64 x (1024 in, 256 out) run, with every step's wall time and token count recorded; `budget` overrides
+    max_num_batched_tokens for the run."""
     steps = []
     execute = engine.runner.execute
 
@@ -126,13 +257,17 @@ def phases_part(engine, results: dict) -> None:
     # warm-up outside the record: a 4096-token step compiles the token-count-symbolic variants
     run_requests(engine, random_prompts(4, 1024, vocab, seed=98), 4)
     engine.runner.execute = timed
+    config = engine.scheduler.config
+    default_budget = config.max_num_batched_tokens
+    engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=budget or default_budget)
     try:
         r = run_requests(engine, random_prompts(64, 1024, vocab, seed=7), 256)
     finally:
         engine.runner.execute = execute
+        engine.scheduler.config = config
     pre = [s for s in steps if s[0] > s[1]]
     dec = [s for s in steps if s[0] == s[1]]
-    results["phases_c64"] = {
+    results[f"phases_c64_budget{budget or default_budget}"] = {
         "output_tok_s": r["output_throughput"], "duration_s": r["duration_s"],
         "prefill_steps": len(pre), "prefill_s": sum(s[2] for s in pre),
         "prefill_tokens": sum(s[0] for s in pre),
@@ -140,7 +275,27 @@ def phases_part(engine, results: dict) -> None:
         "decode_median_step_ms": sorted(s[2] for s in dec)[len(dec) // 2] * 1e3 if dec else None,
         "decode_batch_hist": collections.Counter(s[1] for s in dec).most_common(6),
     }
-    log("phases", results["phases_c64"])
+    log("phases", budget or default_budget, results[f"phases_c64_budget{budget or default_budget}"])
+
+
+def gc_freeze_part(engine, results: dict, rounds: int = 3) -> None:
+    """Batch-1 decode (128 in, 128 out) alternating without and with gc.freeze() (vLLM freezes the objects alive
+    after startup, so the collector stops scanning them during steps)."""
+    import gc
+
+    vocab = engine.model_config.vocab_size
+    prompt = random_prompts(1, 128, vocab, seed=3)
+    run_requests(engine, prompt, 128)
+    tpot = {"plain": [], "frozen": []}
+    for _ in range(rounds):
+        for mode in ("plain", "frozen"):
+            if mode == "frozen":
+                gc.freeze()
+            r = run_requests(engine, prompt, 128)
+            gc.unfreeze()
+            tpot[mode].append(r["median_tpot_ms"])
+    results["gc_freeze_b1_tpot_ms"] = tpot
+    log("gc.freeze", tpot)
 
 
 def main():
@@ -170,6 +325,24 @@ def main():
             prefill_part(engine, args.out, results)
         elif part == "phases":
             phases_part(engine, results)
+        elif part.startswith("phases"):  # e.g. phases16384
+            phases_part(engine, results, int(part[len("phases"):]))
+        elif part == "prefill_batch":
+            prefill_batch_part(engine, args.out, results)
+        elif part == "b1":  # the suite's batch-1 measurement
+            from qwen4exp.bench.offline import latency
+
+            r = latency(engine, 1, 128, 128)
+            results["decode_b1"] = {k: r[k] for k in ("median_tpot_ms", "latencies_s")}
+            log("b1", results["decode_b1"])
+        elif part == "prefill_host":
+            prefill_host_part(engine, results)
+        elif part == "splits":
+            splits_part(engine, results)
+        elif part == "syncs":
+            syncs_part(engine, results)
+        elif part == "gc":
+            gc_freeze_part(engine, results)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 

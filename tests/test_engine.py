@@ -195,6 +195,9 @@ def test_step_metadata_matches_per_token_definition():
     assert meta.new_block_slots.tolist() == [ch.pages[f // ps] * (ps // C) + (f % ps) // C for ch, f in blocks]
     assert meta.new_block_positions.tolist() == [f for ch, f in blocks]
     assert meta.num_decode_reqs == 4
+    # fla's varlen layout: the distinct (prefill request, token index // chunk) pairs, in token order
+    pieces = [(r - 4, i // 4) for r, i, ch in tokens if r >= 4]
+    assert meta.prefill_chunk_indices(4).tolist() == [list(p) for p in dict.fromkeys(pieces)]
     for r, ch in enumerate(chunks):
         assert meta.block_tables[r, : len(ch.pages)].tolist() == ch.pages
         assert not meta.block_tables[r, len(ch.pages):].any()

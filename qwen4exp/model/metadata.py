@@ -5,7 +5,7 @@ Request r owns token rows query_start_loc[r] : query_start_loc[r+1]; its first n
 context_lens[r] (the number of its tokens already in the caches).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,8 @@ class StepMetadata:
     state_slots_cpu: list[int]
     num_decode_reqs: int  # requests 0 .. num_decode_reqs-1 bring exactly one token (the runner orders them first)
     max_seq_len: int  # static upper bound on any request's length after this step (sizes QSA score buffers)
+    # Per-step values an op derives once and reuses in every layer (see prefill_chunk_indices).
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -48,3 +50,15 @@ class StepMetadata:
     @property
     def has_initial_state(self) -> list[bool]:
         return [c > 0 for c in self.context_lens_cpu]
+
+    def prefill_chunk_indices(self, chunk: int) -> torch.Tensor:
+        """[num_chunks, 2] int64 on the device: (prefill request, chunk within it) for every `chunk`-token piece of
+        the requests after the decodes: fla's varlen chunk layout. Built on the host once per step: derived from
+        the device copy of query_start_loc, it costs a device sync in every GDN layer."""
+        key = ("prefill_chunk_indices", chunk)
+        if key not in self.derived:
+            qsl = self.query_start_loc_cpu[self.num_decode_reqs:]
+            rows = [(r, c) for r in range(len(qsl) - 1) for c in range(-(-(qsl[r + 1] - qsl[r]) // chunk))]
+            host = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
+            self.derived[key] = host.to(self.query_start_loc.device, non_blocking=True)
+        return self.derived[key]

@@ -160,7 +160,8 @@ def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
     init = torch.where(meta.has_initial[d:, None, None, None], ssm_state[slots], 0.0)
     cu = meta.query_start_loc[d:].long() - d
     o, final = chunk(q[None, d:], k[None, d:], v[None, d:], g[None, d:].float(), beta[None, d:], initial_state=init,
-                     output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+                     output_final_state=True, cu_seqlens=cu, chunk_indices=meta.prefill_chunk_indices(CHUNK),
+                     use_qk_l2norm_in_kernel=True)
     out[d:] = o[0].to(out.dtype)
     ssm_state[slots] = final.float()
     return out
