@@ -77,6 +77,27 @@ def test_abort_frees_cache_at_any_time(tiny_dir):
     assert engine.num_unfinished_requests == 0
 
 
+def test_warm_up_leaves_no_trace(tiny_dir):
+    """The startup warm-up (run on CUDA; called here on the CPU path) frees every page and slot, restores the step
+    budget, resets the metrics, and later requests generate exactly what a fresh engine generates."""
+    prompts = [[3 + (5 * i) % 400 for i in range(n)] for n in (9, 61)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def fresh():
+        return LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=256, num_pages=64, page_size=8,
+                   max_num_batched_tokens=128, max_num_seqs=4)
+
+    expected = fresh().generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = fresh()
+    engine = llm.llm_engine
+    engine._warm_up()
+    assert engine.cache.all_free() and not engine.has_unfinished_requests()
+    assert engine.scheduler.config.max_num_batched_tokens == 128
+    assert engine.metrics.registry.get_sample_value("qwen4exp:prompt_tokens_total") == 0
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 def test_seeded_sampling_is_batch_invariant(tiny_dir):
     prompts = [[5, 6, 7, 8], list(range(10, 60)), [9] * 17]
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -98,6 +99,39 @@ class LLMEngine:
         async_scheduling = self.config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _Launched | None = None  # the launched step whose samples are not read yet
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Eager steps of the shapes serving meets first: decodes mixed with prefills, prompts continued across
+        steps (with a context longer than the QSA budget where the model allows), token counts that are and are not
+        multiples of 16. Their compilation (dynamo recompiling a size as dynamic, Triton specialising integer
+        arguments, fla autotuning) then happens here, not as a stall of several seconds in the middle of serving."""
+        t0 = time.perf_counter()
+        c, mc = self.config, self.model_config
+        limit = c.max_model_len - 4
+        if limit < 1:
+            return
+        short = [min(n, limit) for n in (5, 100, 37, 300)]
+        long = []
+        if mc.qsa and mc.indexer_budget + mc.indexer_compress_ratio + 200 <= limit:
+            long = [mc.indexer_budget + mc.indexer_compress_ratio + 200]
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+        config = self.scheduler.config
+        # two chunk sizes, so that every prefill-only path sees two token counts
+        for budget, lengths in ((64, short), (1000, short + long)):
+            budget = min(budget, config.max_num_batched_tokens)
+            self.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=budget)
+            try:
+                for i, n in enumerate(lengths):
+                    prompt = [(7 * j + i) % mc.vocab_size for j in range(n)]
+                    self.add_request(f"warm-up-{budget}-{i}", {"prompt_token_ids": prompt}, params)
+                while self.has_unfinished_requests():
+                    self.step()
+            finally:
+                self.scheduler.config = config
+        self.metrics = EngineMetrics()
+        logger.info("warm-up steps (compiling the eager step shapes) took %.1f s", time.perf_counter() - t0)
 
     # ----- requests -----
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,

@@ -79,49 +79,63 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, P, E, NUM_BLOCKS,
-                      BLOCK_M: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NBB: tl.constexpr):
-    """moe_align in one program: a stable sort of the pairs by expert (sorting the keys expert * PB + pair), and the
-    per-expert counts and padded offsets as one-hot [EB, PB] reductions (no data-dependent indexing needed)."""
+                      BLOCK_M: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NBB: tl.constexpr,
+                      TAIL):
+    """moe_align with one program per expert. Every program histograms all pairs (cheap at decode sizes) to find
+    where its expert's padded run starts, then writes its pairs in their original order (a running count), pads
+    its run and names its blocks; program 0 also writes the unused tail and the padded total. Nothing has to be
+    filled beforehand."""
+    e = tl.program_id(0)
     i = tl.arange(0, PB)
     x = tl.arange(0, EB)
-    expert = tl.load(ids_ptr + i, mask=i < P, other=E).to(tl.int32)  # padding pairs sort after every expert
-    onehot = ((expert[None, :] == x[:, None]) & (x < E)[:, None]).to(tl.int32)  # [EB, PB]; padding in no row
-    counts = tl.sum(onehot, axis=1)
+    expert = tl.load(ids_ptr + i, mask=i < P, other=E).to(tl.int32)  # padding pairs land in bin E, never used
+    counts = tl.where(x < E, tl.histogram(expert, EB), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_ends = tl.cumsum(padded, axis=0)
-    starts = tl.cumsum(counts, axis=0) - counts
-    key = tl.sort(expert * PB + i)
-    se, pair = key // PB, key % PB
-    sel = se[None, :] == x[:, None]  # [EB, PB] in sorted order
-    start = tl.sum(tl.where(sel, starts[:, None], 0), axis=0)
-    padded_start = tl.sum(tl.where(sel, (padded_ends - padded)[:, None], 0), axis=0)
-    # sorted position i is the (i - start)-th pair of its expert
-    tl.store(sorted_ptr + padded_start + i - start, pair, mask=se < E)
+    start = tl.sum(tl.where(x == e, padded_ends - padded, 0), axis=0)
+    count = tl.sum(tl.where(x == e, counts, 0), axis=0)
+    run = tl.sum(tl.where(x == e, padded, 0), axis=0)
+    mine = expert == e
+    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    tl.store(sorted_ptr + start + rank, i, mask=mine)
+    m = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + start + count + m, tl.zeros([BLOCK_M], dtype=tl.int32) + P, mask=count + m < run)
     b = tl.arange(0, NBB)
-    owner = tl.sum(((padded_ends[:, None] <= b[None, :] * BLOCK_M) & (x < E)[:, None]).to(tl.int32), axis=0)
-    tl.store(expert_ids_ptr + b, tl.where(owner < E, owner, -1), mask=b < NUM_BLOCKS)
-    tl.store(post_pad_ptr, tl.sum(padded, axis=0))
+    tl.store(expert_ids_ptr + b, tl.zeros([NBB], dtype=tl.int32) + e,
+             mask=(b * BLOCK_M >= start) & (b * BLOCK_M < start + run))
+    if e == 0:
+        total = tl.sum(padded, axis=0)
+        tl.store(expert_ids_ptr + b, tl.full([NBB], -1, dtype=tl.int32), mask=(b * BLOCK_M >= total)
+                 & (b < NUM_BLOCKS))
+        r = tl.arange(0, 1024)
+        for off in range(0, TAIL, 1024):
+            tl.store(sorted_ptr + total + off + r, tl.zeros([1024], dtype=tl.int32) + P,
+                     mask=total + off + r < NUM_BLOCKS * BLOCK_M)
+        tl.store(post_pad_ptr, total)
 
 
-# the one-hot reductions hold EB x PB values in one program
-ALIGN_KERNEL_MAX = 1 << 17
+# every program holds all pairs and the padded tail in registers
+ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Same contract as moe_align, in two launches (a fill and one program) instead of about a dozen torch ops with
-    a radix sort. For num_experts * num_pairs (both rounded up to powers of two) up to ALIGN_KERNEL_MAX."""
+    """Same contract as moe_align, in one launch of one program per expert instead of about a dozen torch ops with
+    a radix sort. For up to ALIGN_KERNEL_MAX_PAIRS pairs."""
     device = topk_ids.device
     num_pairs = topk_ids.numel()
+    assert num_pairs <= ALIGN_KERNEL_MAX_PAIRS
     num_blocks = min(num_pairs, (num_pairs + num_experts * (block_m - 1)) // block_m)
-    pb, eb = triton.next_power_of_2(num_pairs), triton.next_power_of_2(num_experts)
-    assert pb * eb <= ALIGN_KERNEL_MAX
     flat = topk_ids.reshape(-1)
-    sorted_token_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_token_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
-    _moe_align_kernel[(1,)](flat, sorted_token_ids, expert_ids, num_tokens_post_padded, num_pairs, num_experts,
-                            num_blocks, BLOCK_M=block_m, PB=pb, EB=eb, NBB=triton.next_power_of_2(num_blocks),
-                            num_warps=8)
+    # the padded total is at least num_pairs, so the tail past it is shorter than the expert padding, E*(block_m-1)
+    tail = min(num_blocks * block_m, num_experts * (block_m - 1))
+    _moe_align_kernel[(num_experts,)](flat, sorted_token_ids, expert_ids, num_tokens_post_padded, num_pairs,
+                                      num_experts, num_blocks, BLOCK_M=block_m,
+                                      PB=triton.next_power_of_2(num_pairs),
+                                      EB=triton.next_power_of_2(num_experts + 1),
+                                      NBB=triton.next_power_of_2(num_blocks), TAIL=tail, num_warps=4)
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
@@ -455,8 +469,8 @@ def fused_moe(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-    small = triton.next_power_of_2(num_pairs) * triton.next_power_of_2(num_experts) <= ALIGN_KERNEL_MAX
-    sorted_ids, expert_ids, num_post_padded = (moe_align_triton if small else moe_align)(topk_ids, num_experts, block_m)
+    align = moe_align_triton if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else moe_align
+    sorted_ids, expert_ids, num_post_padded = align(topk_ids, num_experts, block_m)
     num_pid_m = expert_ids.numel()
     weights = topk_weights.reshape(-1)
     if not weights.is_contiguous():
