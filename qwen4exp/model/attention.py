@@ -31,9 +31,8 @@ class QSAIndexer(nn.Module):
     def forward(self, qk, cos, sin, meta: StepMetadata, cache: AttentionCache, block_rope) -> torch.Tensor | None:
         """qk: index_qk_proj(x) [T, (Hi+1)*Di]. Returns the selected logical token indices [T, budget + C - 1]
         (-1 padded), or None when every context is short enough for all of it to be selected (dense)."""
-        q, raw_key = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        q = qk[:, : self.n_heads * self.head_dim]  # the raw key, the rest, is already in the cache (Attention)
         q = ops.rotary.apply_rope(self.q_layernorm(q.reshape(-1, self.n_heads, self.head_dim)), cos, sin)
-        ops.attention.write_slots(cache.index_key, raw_key, meta.slot_mapping)
         if meta.new_block_slots.numel():
             bcos, bsin = block_rope
             block_key = ops.attention.pool_block_keys(
@@ -68,9 +67,11 @@ class Attention(nn.Module):
         q = ops.rotary.apply_rope(self.q_norm(q), cos, sin)
         k = ops.rotary.apply_rope(self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        ops.attention.write_slots(cache.key, k, meta.slot_mapping)
-        ops.attention.write_slots(cache.value, v, meta.slot_mapping)
+        writes = [(cache.key, k), (cache.value, v)]
+        if self.indexer is not None:  # the indexer's raw key: the last head_dim columns of its projection
+            writes.append((cache.index_key, index_qk[0][:, -self.indexer.head_dim:]))
+        ops.attention.write_slots_many(writes, meta.slot_mapping)
         selected = self.indexer(index_qk[0], cos, sin, meta, cache, block_rope) if self.indexer is not None else None
         out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
-        out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        out = ops.attention.gate_output(out.reshape(T, -1), gate.reshape(T, -1))
         return ops.linear.linear(out, self.o_proj.weight, self.o_proj.bias)

@@ -31,6 +31,25 @@ def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.T
     cache.view(-1, *cache.shape[2:])[slot_mapping] = values.to(cache.dtype)
 
 
+def write_slots_many(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor) -> None:
+    """write_slots for several (cache, values) pairs sharing one slot mapping (a layer's keys, values and raw
+    indexer keys). GPU: one Triton launch instead of one index_put per cache."""
+    from . import fast_path
+
+    if fast_path(slot_mapping) and len(pairs) <= 3:
+        from .triton_attention import write_rows
+
+        return write_rows(pairs, slot_mapping)
+    for cache, values in pairs:
+        write_slots(cache, values, slot_mapping)
+
+
+@compiled_on_gpu
+def gate_output(out, gate):
+    """The attention output gated by sigmoid(gate) (one fused kernel on the GPU)."""
+    return out * torch.sigmoid(gate)
+
+
 def logical_slots(block_table_row: torch.Tensor, positions: torch.Tensor, rows_per_page: int) -> torch.Tensor:
     """Flat cache rows of logical indices `positions` for one request (rows_per_page rows per page)."""
     return block_table_row[positions // rows_per_page].long() * rows_per_page + positions % rows_per_page

@@ -331,3 +331,47 @@ def sparse_paged_attention_ref(
 
 
 __all__ = ["sparse_paged_attention", "sparse_paged_attention_ref", "default_num_splits"]
+
+
+# ----- cache writes: up to three caches rows in one launch -----
+
+@triton.jit
+def _write_rows_kernel(slots_ptr, src0, dst0, src_stride0, src1, dst1, src_stride1, src2, dst2, src_stride2,
+                       N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
+                       B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    o = tl.arange(0, B0)
+    tl.store(dst0 + slot * N0 + o, tl.load(src0 + t * src_stride0 + o, mask=o < N0).to(dst0.dtype.element_ty),
+             mask=o < N0)
+    if N1 > 0:
+        o = tl.arange(0, B1)
+        tl.store(dst1 + slot * N1 + o, tl.load(src1 + t * src_stride1 + o, mask=o < N1).to(dst1.dtype.element_ty),
+                 mask=o < N1)
+    if N2 > 0:
+        o = tl.arange(0, B2)
+        tl.store(dst2 + slot * N2 + o, tl.load(src2 + t * src_stride2 + o, mask=o < N2).to(dst2.dtype.element_ty),
+                 mask=o < N2)
+
+
+def write_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor) -> None:
+    """`ops.attention.write_slots_many` for up to three (cache [P, page, ...], values [N, ...]) pairs: row
+    slot_mapping[t] of each cache, viewed as [P * page, row], gets values[t] (cast to the cache's dtype). Caches
+    must be contiguous; each value row's elements must be contiguous (rows may be strided)."""
+    assert 1 <= len(pairs) <= 3
+    n = slot_mapping.shape[0]
+    args, widths = [], []
+    for cache, values in pairs:
+        width = cache[0, 0].numel()
+        rows = values.reshape(n, width)  # a view for row-strided values with contiguous rows
+        assert cache.is_contiguous() and rows.stride(1) == 1, "write_rows needs contiguous caches and value rows"
+        args += [rows, cache, rows.stride(0)]
+        widths.append(width)
+    while len(widths) < 3:  # absent pairs: never read or written (N = 0 removes their code)
+        args += [pairs[0][1], pairs[0][0], 0]
+        widths.append(0)
+    if n == 0:
+        return
+    _write_rows_kernel[(n,)](slot_mapping, *args, N0=widths[0], N1=widths[1], N2=widths[2],
+                             B0=triton.next_power_of_2(widths[0]), B1=triton.next_power_of_2(max(widths[1], 1)),
+                             B2=triton.next_power_of_2(max(widths[2], 1)), num_warps=1)

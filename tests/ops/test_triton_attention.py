@@ -20,6 +20,7 @@ from qwen4exp.ops.triton_attention import (
     default_num_splits,
     sparse_paged_attention,
     sparse_paged_attention_ref,
+    write_rows,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,3 +214,28 @@ def test_cuda_graph_capture():
         b["q"].normal_()
         graph.replay()
         torch.testing.assert_close(out, run_ref(b, scale, sel), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_pairs", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_rows_matches_write_slots(num_pairs, dtype):
+    """One launch writing a layer's keys, values and raw indexer keys equals one write_slots per cache: row-strided
+    values (slices of a merged projection), shuffled slots, other rows untouched."""
+    g = torch.Generator().manual_seed(num_pairs)
+    P, page, T = 6, 4, 9
+    shapes = [(2, 24), (2, 24), (12,)][:num_pairs]  # [kv heads, head_dim] twice, then [index_head_dim]
+    merged = torch.randn(T, 2 * 48 + 12 + 5, generator=g).to(dtype).to(DEVICE)  # a projection's output + 5 spare
+    values, col = [], 0
+    for shape in shapes:
+        width = torch.Size(shape).numel()
+        values.append(merged[:, col: col + width].reshape(T, *shape))
+        col += width
+    assert values[0].stride(0) == merged.shape[1]
+    slots = torch.randperm(P * page, generator=g)[:T].to(DEVICE)
+    caches = [torch.randn(P, page, *shape, generator=g).to(dtype).to(DEVICE) for shape in shapes]
+    expected = [c.clone() for c in caches]
+    for c, v in zip(expected, values):
+        ref_ops.write_slots(c, v, slots)
+    write_rows(list(zip(caches, values)), slots)
+    for e, c in zip(expected, caches):
+        assert torch.equal(e, c)
