@@ -6,7 +6,7 @@
             T = 1, 2, 4; tiles swept at T = 1.
   pair MoE: `ops.triton_moe.pairwise_moe` (128 experts, top-10, 640 intermediate, shared expert in the down launch)
             at T = 1, 4 and 8; tiles swept at T = 1.
-  align:    moe_align (torch ops, radix sort) against moe_align_triton (one program) at 64 tokens x top-10 of 128.
+  align:    moe_align (torch ops, radix sort) vs moe_align_triton (a program per expert), 64 tokens x top-10 of 128.
   route:    the fused softmax + top-10 of 128 kernel with 1 and 4 warps per token, T = 1 and 64.
   gemv:     `ops.triton_linear.gemv` against F.linear (cuBLAS) at the decode projections (out_proj/o_proj, the MoE
             router + shared expert, GDN in_proj, attention q/k/v + indexer; lm_head for reference), T = 1, 2, 4; tiles
