@@ -245,9 +245,9 @@ def phases_part(engine, results: dict, budget: int | None = None) -> None:
     steps = []
     execute = engine.runner.execute
 
-    def timed(chunks):
+    def timed(chunks, pending_ids=None):
         t0 = time.perf_counter()
-        out = execute(chunks)
+        out = execute(chunks, pending_ids)
         if out.is_cuda:
             torch.cuda.synchronize()
         steps.append((sum(len(c.token_ids) for c in chunks), len(chunks), time.perf_counter() - t0))
