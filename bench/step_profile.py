@@ -225,16 +225,15 @@ def syncs_part(engine, results: dict) -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    show = warnings.showwarning
-    model.forward, warnings.showwarning = watched, keep
+    model.forward = watched
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning and the filters on exit
             warnings.simplefilter("always")
             warnings.showwarning = keep
             while engine.has_unfinished_requests():
                 engine.step()
     finally:
-        model.forward, warnings.showwarning = forward, show
+        model.forward = forward
     results["syncs_in_forward"] = {"stacks": stacks.most_common(30), "total": sum(stacks.values())}
     log("syncs", results["syncs_in_forward"])
 

@@ -114,7 +114,7 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, P, E, N
         tl.store(post_pad_ptr, total)
 
 
-# every program holds all pairs and the padded tail in registers
+# every program holds all pairs (and its blocks' expert ids) in registers
 ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
