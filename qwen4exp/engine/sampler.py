@@ -125,13 +125,13 @@ class Sampler:
             tokens[rows] = (probs / q).argmax(-1)
         ks = [r.params.logprobs for r in requests]
         if all(k is None for k in ks):  # nobody reads logprobs or ranks: skip the vocab-wide passes
-            return SampledBatch(tokens, None, None, None, ks)
+            return SampledBatch(tokens, None, None, None, ks).start_copy()
         raw_logprobs = torch.log_softmax(raw_logits, dim=-1)
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1
         max_k = max(k or 0 for k in ks)
         top = raw_logprobs.topk(min(max_k, logits.shape[-1]), dim=-1) if max_k else None
-        return SampledBatch(tokens, chosen, ranks, top, ks)
+        return SampledBatch(tokens, chosen, ranks, top, ks).start_copy()
 
 
 @dataclass
@@ -143,18 +143,44 @@ class SampledBatch:
     ranks: torch.Tensor | None
     top: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) of the largest k any row asked for
     ks: list[int | None]  # each row's `logprobs`
+    _host: list | None = None  # pinned host copies of the tensors above, in flight until `_ready`
+    _ready: torch.cuda.Event | None = None
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        top = self.top if self.top is not None else (None, None)
+        return [self.token_ids, self.chosen, self.ranks, *top]
+
+    def start_copy(self) -> "SampledBatch":
+        """Starts copying the samples into pinned host memory behind an event. A plain `.tolist()` would wait for
+        the whole stream, including the next step the engine launches before it reads these samples, so the device
+        would idle during every step's host work."""
+        if self.token_ids.is_cuda:
+            self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                          for t in self._tensors()]
+            for h, t in zip(self._host, self._tensors()):
+                if t is not None:
+                    h.copy_(t, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        return self
 
     def to_host(self) -> SamplerOutput:
-        tokens = self.token_ids.tolist()
+        if self._ready is not None:
+            self._ready.synchronize()
+            host = self._host
+        else:
+            host = self._tensors()
+        token_ids, chosen, ranks, top_vals, top_ids = host
+        tokens = token_ids.tolist()
         n = len(tokens)
-        if self.chosen is None:
+        if chosen is None:
             return SamplerOutput(tokens, [0.0] * n, [0] * n, [[] for _ in range(n)], [[] for _ in range(n)])
         topk_ids, topk_lps = [[] for _ in range(n)], [[] for _ in range(n)]
-        if self.top is not None:
-            vals, ids = self.top[0].tolist(), self.top[1].tolist()
+        if top_vals is not None:
+            vals, ids = top_vals.tolist(), top_ids.tolist()
             for i, k in enumerate(self.ks):
                 topk_ids[i], topk_lps[i] = ids[i][: k or 0], vals[i][: k or 0]
-        return SamplerOutput(tokens, self.chosen.tolist(), self.ranks.tolist(), topk_ids, topk_lps)
+        return SamplerOutput(tokens, chosen.tolist(), ranks.tolist(), topk_ids, topk_lps)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int):
