@@ -321,6 +321,85 @@ def bench_gdn(results):
     results["gdn"] = rows
 
 
+def bench_conv(results):
+    """GDN causal conv (10240 channels, 4 taps, bf16 state [S, C, 3]): the update kernel at batch 1 and 64 and the
+    varlen kernel at 8 x 1024 tokens, against the torch reference, over tile sizes."""
+    from qwen4exp.ops.triton_conv import causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen
+
+    C, K, dev, dt = 10240, 4, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = (torch.randn(C, K, device=dev, generator=g) * 0.5).to(dt)
+    out = {"update": [], "varlen": []}
+    for batch in (1, 64):
+        x = torch.randn(batch, C, device=dev, generator=g).to(dt)
+        state = torch.randn(batch + 1, C, K - 1, device=dev, generator=g).to(dt)
+        slots = torch.arange(1, batch + 1, device=dev)
+        has_init = torch.ones(batch, dtype=torch.bool, device=dev)
+        row = {"batch": batch, "ref_us": per_call_us(lambda: causal_conv1d_update_ref(x, w, state, slots, has_init),
+                                                     calls=36)}
+        for bc in (64, 128, 256, 512, 1024):
+            for nw in (1, 2, 4, 8):
+                st = state.clone()
+                us = per_call_us(lambda: causal_conv1d_update(x, w, st, slots, has_init, block_c=bc, num_warps=nw),
+                                 calls=36)
+                row[f"bc{bc}_w{nw}"] = us
+        got_state = state.clone()
+        state_copy = state.clone()
+        got = causal_conv1d_update(x, w, got_state, slots, has_init)
+        ref = causal_conv1d_update_ref(x, w, state_copy, slots, has_init)
+        row["max_abs_diff"] = (got.float() - ref.float()).abs().max().item()
+        best = min((k for k in row if k.startswith("bc")), key=row.get)
+        print(f"conv update B={batch}: ref {row['ref_us']:.2f} us, default {row['bc256_w4']:.2f} us, best {best} "
+              f"{row[best]:.2f} us, diff {row['max_abs_diff']:.3g}", flush=True)
+        out["update"].append(row)
+    n, L = 8, 1024
+    T = n * L
+    x = torch.randn(T, C, device=dev, generator=g).to(dt)
+    qsl = torch.arange(0, T + 1, L, device=dev)
+    token_req = torch.arange(T, device=dev) // L
+    token_local = torch.arange(T, device=dev) % L
+    slots = torch.arange(1, n + 1, device=dev)
+    has_init = torch.zeros(n, dtype=torch.bool, device=dev)
+    state = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
+    row = {"tokens": T, "bytes_in_out": 2 * T * C * 2}
+    for bt in (16, 32, 64, 128):
+        for bc in (64, 128, 256):
+            for nw in (4, 8):
+                row[f"bt{bt}_bc{bc}_w{nw}"] = per_call_us(
+                    lambda: causal_conv1d_varlen(x, w, state, qsl, token_req, token_local, slots, has_init,
+                                                 block_t=bt, block_c=bc, num_warps=nw), calls=8)
+    best = min((k for k in row if k.startswith("bt")), key=row.get)
+    print(f"conv varlen 8x1024: default {row['bt32_bc128_w4']:.1f} us, best {best} {row[best]:.1f} us "
+          f"(bandwidth time at 4 TB/s: {row['bytes_in_out'] / 4e6:.1f} us)", flush=True)
+    out["varlen"].append(row)
+    results["conv"] = out
+
+
+def bench_hc_batch(results):
+    """The compiled hc mix and combine at 64 and 8192 tokens (decode at batch 64, an 8 x 1k prefill step)."""
+    from qwen4exp.ops.hyper_connection import hc_combine
+
+    hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    norm_w = torch.randn(hc * hidden, device=dev, generator=g).to(dt) * 0.1
+    w_di = (torch.randn(rank + hc + 4, hc * hidden, device=dev, generator=g) / (hc * hidden) ** 0.5).to(dt)
+    w_up = (torch.randn(hc * hidden, rank, device=dev, generator=g) / rank**0.5).to(dt)
+    rows = []
+    for tokens in (64, 8192):
+        streams = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
+        block = torch.randn(tokens, hidden, device=dev, generator=g).to(dt)
+        inject = torch.rand(tokens, hc, device=dev, generator=g).to(dt)
+        args = (streams, norm_w, w_di, w_up, 1e-6, hc, rank, True)
+        calls = 96 if tokens <= 64 else 8
+        row = {"tokens": tokens, "mix_us": per_call_us(lambda: hc_mix_ref(*args), calls=calls),
+               "combine_us": per_call_us(lambda: hc_combine(streams, block, inject), calls=calls),
+               "streams_bytes": streams.numel() * 2}
+        print(f"hc T={tokens}: mix {row['mix_us']:.1f} us, combine {row['combine_us']:.1f} us "
+              f"(streams {row['streams_bytes'] / 1e6:.1f} MB)", flush=True)
+        rows.append(row)
+    results["hc_batch"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -328,7 +407,7 @@ def main():
     a = ap.parse_args()
     results = {"device": torch.cuda.get_device_name()}
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
-             "gdn": bench_gdn}
+             "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

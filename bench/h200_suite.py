@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from qwen4exp.bench.compile_log import CompileLog  # noqa: E402
 from qwen4exp.config import EngineConfig, load_model_config  # noqa: E402
 from qwen4exp.engine.engine import LLMEngine  # noqa: E402
 from qwen4exp.weights.random_checkpoint import preset_config  # noqa: E402
@@ -37,15 +38,6 @@ def preset(name: str):
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(preset_config(name, eos_token_id=0, dtype="bfloat16"), f)
     return load_model_config(d)
-
-
-def compile_counts() -> dict:
-    """Graphs dynamo has compiled and kernels in Triton's on-disk cache (one directory per compiled kernel) so far."""
-    from torch._dynamo.utils import counters
-
-    cache = os.environ.get("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
-    kernels = len(os.listdir(cache)) if os.path.isdir(cache) else 0
-    return {"dynamo_graphs": int(counters["stats"]["unique_graphs"]), "triton_cache_entries": kernels}
 
 
 def copy_bandwidth(device, nbytes=4 << 30, iters=10) -> float:
@@ -168,12 +160,12 @@ def stage_ours(results, device, quick=False):
         save(results)
         sweep = {}
         for conc in (1, 8, 32, 64):
-            before = compile_counts()
-            sweep[conc] = throughput(engine, conc, 1024, 256)
-            after = compile_counts()
-            # compilations during the run (first use of a step shape): the 32-request run has shown multi-second
-            # stalls that its ITL percentiles do not
-            sweep[conc]["compiled_during_run"] = {k: after[k] - before[k] for k in after}
+            with CompileLog() as cl:
+                sweep[conc] = throughput(engine, conc, 1024, 256)
+            # compilations during the run (a step shape the warm-up missed) are stalls of 0.3-7 s
+            sweep[conc]["compiled_during_run"] = {"dynamo_graphs": cl.dynamo_graphs,
+                                                  "triton_kernels": [e["kernel"] for e in cl.events],
+                                                  "triton_seconds": sum(e["s"] for e in cl.events)}
             log(f"concurrency {conc}: {sweep[conc]['output_throughput']:.0f} output tok/s, max ITL "
                 f"{sweep[conc]['max_itl_ms']:.0f} ms, compiled {sweep[conc]['compiled_during_run']}")
             r["concurrency"] = sweep

@@ -277,6 +277,24 @@ def phases_part(engine, results: dict, budget: int | None = None) -> None:
     log("phases", budget or default_budget, results[f"phases_c64_budget{budget or default_budget}"])
 
 
+def compiles_part(engine, results: dict) -> None:
+    """The suite's throughput sweep (1, 8, 32, 64 requests of 1024 in, 256 out) with every compilation logged."""
+    from qwen4exp.bench.compile_log import CompileLog
+    from qwen4exp.bench.offline import throughput
+
+    out = {}
+    for conc in (1, 8, 32, 64):
+        with CompileLog() as cl:
+            r = throughput(engine, conc, 1024, 256)
+        out[conc] = {"output_tok_s": r["output_throughput"], "max_itl_ms": r["max_itl_ms"],
+                     "median_itl_ms": r["median_itl_ms"], "max_ttft_ms": r["max_ttft_ms"],
+                     "dynamo_graphs": cl.dynamo_graphs, "triton": cl.events}
+        log("compiles", conc, {k: v for k, v in out[conc].items() if k != "triton"})
+        for e in cl.events:
+            log(f"   {e['s']:6.2f} s  {e['kernel']}  {e['key'][:300]}")
+    results["compiles"] = out
+
+
 def gc_freeze_part(engine, results: dict, rounds: int = 3) -> None:
     """Batch-1 decode (128 in, 128 out) alternating without and with gc.freeze() (vLLM freezes the objects alive
     after startup, so the collector stops scanning them during steps)."""
@@ -340,6 +358,8 @@ def main():
             splits_part(engine, results)
         elif part == "syncs":
             syncs_part(engine, results)
+        elif part == "compiles":
+            compiles_part(engine, results)
         elif part == "gc":
             gc_freeze_part(engine, results)
         with open(path, "w") as f:

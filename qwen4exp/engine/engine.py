@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig, ModelConfig, load_model_config
+from .. import ops
+from ..config import LINEAR, EngineConfig, ModelConfig, load_model_config
 from ..weights.loader import load_model
 from .cache import CacheManager
 from .detokenizer import IncrementalDetokenizer
@@ -118,8 +119,15 @@ class LLMEngine:
             long = [mc.indexer_budget + mc.indexer_compress_ratio + 200]
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
         config = self.scheduler.config
-        # two chunk sizes, so that every prefill-only path sees two token counts
-        for budget, lengths in ((64, short), (1000, short + long)):
+        # Two chunk sizes, so that every prefill-only path sees two token counts. Then one prefill step of each size
+        # at which a kernel choice or an autotuning key changes, up to the full budget: the 64-request runs met
+        # those (MoE tile configs, fla's l2norm buckets) as 0.3-7 s stalls.
+        full = min(config.max_num_batched_tokens, limit)
+        sizes = set(ops.moe.warm_up_token_counts(mc.num_experts, mc.num_experts_per_tok, full)) | {full}
+        if any(t == LINEAR for t in mc.layer_types):
+            sizes |= set(ops.gated_delta.warm_up_token_counts(mc.linear_num_key_heads, full))
+        rounds = [(64, short), (1000, short + long)] + [(n, [n]) for n in sorted(sizes) if n > 1]
+        for budget, lengths in rounds:
             budget = min(budget, config.max_num_batched_tokens)
             self.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=budget)
             try:

@@ -108,6 +108,13 @@ def gated_delta_rule_ref(
     return out
 
 
+def warm_up_token_counts(num_key_heads: int, max_tokens: int) -> list[int]:
+    """Step sizes (prefill tokens) at which fla's chunk path autotunes anew: its q/k l2norm keys its tuning on
+    cdiv(tokens * heads, 65536), one bucket per 65536 / heads tokens."""
+    per_bucket = max(1, 65536 // num_key_heads)
+    return [min(n, max_tokens) for n in range(per_bucket, max_tokens + per_bucket, per_bucket)]
+
+
 def _fla_chunk():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule

@@ -98,3 +98,24 @@ def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None) ->
     if topk_ids.numel() <= PAIRWISE_MAX_PAIRS:
         return pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared_expert=shared_expert)
     return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())
+
+
+def kernel_variant(num_tokens: int, num_experts: int, top_k: int) -> tuple:
+    """Which compiled kernels `moe_experts` runs for a step of num_tokens tokens on the GPU (steps with equal values
+    share them)."""
+    pairs = num_tokens * top_k
+    if pairs >= GROUPED_MM_MIN_PAIRS:
+        return ("grouped",)
+    from .triton_moe import PAIRWISE_MAX_PAIRS, fused_variant
+
+    if pairs <= PAIRWISE_MAX_PAIRS:
+        return ("pairwise",)
+    return fused_variant(num_tokens, num_experts, top_k)
+
+
+def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+    """The smallest step size of every kernel variant up to max_tokens: one eager step of each compiles them all."""
+    first = {}
+    for n in range(1, max_tokens + 1):
+        first.setdefault(kernel_variant(n, num_experts, top_k), n)
+    return sorted(first.values())

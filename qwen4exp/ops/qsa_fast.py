@@ -33,7 +33,7 @@ _DEFAULT_MAX_CHUNK_BYTES = 512 << 20
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "max_blocks", "stride_bt"])
     def _qsa_scores_kernel(
         q_ptr, bk_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr,
         T, max_blocks, sqrt_di,

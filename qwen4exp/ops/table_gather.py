@@ -28,7 +28,7 @@ def gather_rows_ref(table: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor,
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_ids"])
     def _gather_kernel(table, ids, scale, out, n_ids, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
                       ROUND: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -29,6 +29,9 @@ _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS_PER_SM = 2
 _DEFAULT_SM_COUNT = 132  # H200; only used when no CUDA device can be asked (interpreter runs)
 _MIN_KEYS_PER_SPLIT = 256
+# Integer arguments that change from step to step (the selection width, the block table's width = the step's widest
+# request). Triton would otherwise compile a variant per divisibility-by-16 of each, in the middle of serving.
+_STEP_SIZED = ["W", "stride_bt", "stride_sel"]
 
 
 @triton.jit
@@ -56,7 +59,7 @@ def _attn_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZED)
 def _sparse_paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, sel_ptr,
     out_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,

@@ -28,7 +28,7 @@ _MAX_K = 16384
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, T, N, stride_x, stride_w, stride_y,
     K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -77,7 +77,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NUM_BLOCKS", "TAIL"])
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, P, E, NUM_BLOCKS,
                       BLOCK_M: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NBB: tl.constexpr,
                       TAIL):
@@ -116,6 +116,7 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, P, E, N
 
 # every program holds all pairs (and its blocks' expert ids) in registers
 ALIGN_KERNEL_MAX_PAIRS = 4096
+ALIGN_KERNEL_SMALL_PAIRS = 1024
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -131,11 +132,13 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
     # the padded total is at least num_pairs, so the tail past it is shorter than the expert padding, E*(block_m-1)
     tail = min(num_blocks * block_m, num_experts * (block_m - 1))
+    # Two register widths only (each width is a compiled variant): decode batches, and everything up to the limit.
+    pb = ALIGN_KERNEL_SMALL_PAIRS if num_pairs <= ALIGN_KERNEL_SMALL_PAIRS else ALIGN_KERNEL_MAX_PAIRS
+    max_blocks = min(pb, (pb + num_experts * (block_m - 1)) // block_m)
     _moe_align_kernel[(num_experts,)](flat, sorted_token_ids, expert_ids, num_tokens_post_padded, num_pairs,
-                                      num_experts, num_blocks, BLOCK_M=block_m,
-                                      PB=triton.next_power_of_2(num_pairs),
+                                      num_experts, num_blocks, BLOCK_M=block_m, PB=pb,
                                       EB=triton.next_power_of_2(num_experts + 1),
-                                      NBB=triton.next_power_of_2(num_blocks), TAIL=tail, num_warps=4)
+                                      NBB=triton.next_power_of_2(max_blocks), TAIL=tail, num_warps=4)
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
@@ -193,6 +196,13 @@ def get_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter
     )
 
 
+def fused_variant(num_tokens: int, num_experts: int, top_k: int) -> tuple:
+    """What `fused_moe` compiles for num_tokens tokens: its tile config and the align kernel's register width."""
+    pairs = num_tokens * top_k
+    config = get_config(num_tokens, num_experts, top_k, 0, 0)
+    return ("fused", config, pairs <= ALIGN_KERNEL_SMALL_PAIRS, pairs <= ALIGN_KERNEL_MAX_PAIRS)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------------
@@ -223,7 +233,7 @@ def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
@@ -277,7 +287,7 @@ def _gate_up_kernel(
     tl.store(act_ptrs, h.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
 def _down_kernel(
     act_ptr, w_ptr, out_ptr, topk_w_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
@@ -358,7 +368,7 @@ def _pair_gate_up_kernel(
     tl.store(act_ptr + pair * stride_an + rows, h.to(act_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _pair_down_kernel(
     act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter, num_pairs,
     stride_an, stride_we, stride_wr, stride_on,
