@@ -62,13 +62,18 @@ def write_report(results: dict, out_dir: str) -> str:
               f"{_f(roofline_step_ms, '{:.2f}')} ms", ""]
     if conc:
         lines += ["## Throughput vs concurrency (1k-token prompts, 256 output tokens each)", "",
-                  "| concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms | max ITL ms |",
-                  "|---|---|---|---|---|---|"]
+                  "| concurrency | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms | max ITL ms | "
+                  "compiled during the run |",
+                  "|---|---|---|---|---|---|---|"]
         for k in sorted(conc, key=lambda x: int(x)):
             r = conc[k]
+            compiled = r.get("compiled_during_run", {})
+            kernels = compiled.get("triton_kernels")
+            compiled_text = (f"{len(kernels)} Triton kernels, {compiled.get('dynamo_graphs')} graphs"
+                             if kernels is not None else "n/a")
             lines.append(f"| {k} | {_f(r['output_throughput'], '{:.0f}')} | {_f(r.get('median_ttft_ms'))} | "
                          f"{_f(r.get('median_tpot_ms'), '{:.2f}')} | {_f(r.get('p99_itl_ms'), '{:.2f}')} | "
-                         f"{_f(r.get('max_itl_ms'), '{:.0f}')} |")
+                         f"{_f(r.get('max_itl_ms'), '{:.0f}')} | {compiled_text} |")
         lines += ["", "![output tok/s vs concurrency](benchmarks_concurrency.png)", ""]
         try:
             import matplotlib

@@ -33,8 +33,8 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         qkv, z, b, a = ops.linear.merged_linear(
             x, [self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight])
-        qkv = ops.conv.causal_conv1d(qkv, self.conv1d.weight[:, 0, :], state.conv, meta)
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = ops.conv.causal_conv1d(qkv, self.conv1d.weight[:, 0, :], state.conv, meta,
+                                         split=(self.key_dim, self.key_dim, self.value_dim))
         core = ops.gated_delta.gated_delta_rule_raw(
             q.reshape(T, -1, self.head_k_dim), k.reshape(T, -1, self.head_k_dim), v.reshape(T, -1, self.head_v_dim),
             b, a, self.A_log, self.dt_bias, state.ssm, meta,

@@ -37,17 +37,23 @@ def causal_conv1d_ref(
     return out
 
 
-def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: str | None = "silu"):
+def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: str | None = "silu",
+                  split: tuple[int, int, int] | None = None):
     """Step-level dispatch. GPU: a step of one-token requests takes the fused update kernel (graph capturable),
-    any other step the varlen kernel over the whole flat batch. CPU: the reference."""
+    any other step the varlen kernel over the whole flat batch. CPU: the reference.
+
+    split: return the output's three channel parts of these widths (GDN's q, k, v), which the varlen kernel writes
+    as contiguous tensors."""
     from . import fast_path
 
     if not fast_path(x):
-        return causal_conv1d_ref(x, weight, conv_state, meta.query_start_loc_cpu, meta.state_slots_cpu,
-                                 meta.has_initial_state, dilation, activation)
+        out = causal_conv1d_ref(x, weight, conv_state, meta.query_start_loc_cpu, meta.state_slots_cpu,
+                                meta.has_initial_state, dilation, activation)
+        return out if split is None else out.split(list(split), -1)
     from .triton_conv import causal_conv1d_update, causal_conv1d_varlen
 
     if meta.num_decode_reqs == meta.num_reqs:
-        return causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation, activation)
+        out = causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation, activation)
+        return out if split is None else out.split(list(split), -1)
     return causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.token_req, meta.token_local,
-                                meta.state_slots, meta.has_initial, dilation, activation)
+                                meta.state_slots, meta.has_initial, dilation, activation, split=split)

@@ -158,3 +158,27 @@ def test_varlen_prefill_matches_reference(channels, kernel, dilation, dtype, sta
     tol = dict(rtol=1e-5, atol=1e-6) if exact else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(fast_state, ref_state, rtol=0, atol=0, equal_nan=True)  # values only move
+
+
+@pytest.mark.parametrize("split,block_c", [((32, 32, 64), 32), ((16, 48, 64), 32)])
+def test_varlen_split_output_equals_split_of_the_full_output(split, block_c):
+    """GDN asks for q, k, v as separate tensors: where the channel tiles line up with the parts they come back
+    contiguous (fla would otherwise copy each), else as views; the values are those of the unsplit output."""
+    channels, kernel = sum(split), 4
+    lengths, slots, has_init = [1, 6, 40], [2, 5, 3], [True, False, True]
+    gen = torch.Generator().manual_seed(8)
+    qsl = torch.tensor([0, 1, 7, 47], dtype=torch.int32)
+    x = torch.randn(int(qsl[-1]), channels, generator=gen)
+    weight = torch.randn(channels, kernel, generator=gen)
+    state = torch.randn(NUM_SLOTS, channels, kernel - 1, generator=gen)
+    token_req = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)])
+    token_local = torch.tensor([i for n in lengths for i in range(n)])
+    args = (qsl, token_req, token_local, torch.tensor(slots), torch.tensor(has_init))
+    full_state, split_state = state.clone(), state.clone()
+    full = causal_conv1d_varlen(x, weight, full_state, *args, block_c=block_c)
+    parts = causal_conv1d_varlen(x, weight, split_state, *args, block_c=block_c, split=split)
+    assert [p.shape[1] for p in parts] == list(split)
+    assert all(p.is_contiguous() for p in parts) == all(w % block_c == 0 for w in split[:2])
+    for got, want in zip(parts, full.split(list(split), -1)):
+        assert torch.equal(got, want)
+    assert torch.equal(split_state, full_state)
