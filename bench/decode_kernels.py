@@ -4,8 +4,6 @@
 
   hc mix:   `ops.triton_hc.hc_mix_decode` against the inductor-compiled reference (4 streams x 2560, low rank 320),
             T = 1, 2, 4; tiles swept at T = 1.
-  hc_batch: `ops.triton_hc.hc_mix_batched` against the compiled reference at T = 64 and 8192 (default tiles and a
-            sweep of five others at each), with hc_combine's time beside them.
   pair MoE: `ops.triton_moe.pairwise_moe` (128 experts, top-10, 640 intermediate, shared expert in the down launch)
             at T = 1, 4 and 8; tiles swept at T = 1.
   align:    moe_align (torch ops, radix sort) vs moe_align_triton (a program per expert), 64 tokens x top-10 of 128.
@@ -378,20 +376,14 @@ def bench_conv(results):
 
 
 def bench_hc_batch(results):
-    """The hc mix and combine at 64 and 8192 tokens (decode at batch 64, an 8 x 1k prefill step): the compiled
-    reference against `hc_mix_batched` with its default tiles and a few others."""
+    """The compiled hc mix and combine at 64 and 8192 tokens (decode at batch 64, an 8 x 1k prefill step)."""
     from qwen4exp.ops.hyper_connection import hc_combine
-    from qwen4exp.ops.triton_hc import _batched_tiles, hc_mix_batched
 
     hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     norm_w = torch.randn(hc * hidden, device=dev, generator=g).to(dt) * 0.1
     w_di = (torch.randn(rank + hc + 4, hc * hidden, device=dev, generator=g) / (hc * hidden) ** 0.5).to(dt)
     w_up = (torch.randn(hc * hidden, rank, device=dev, generator=g) / rank**0.5).to(dt)
-    # (block_m, block_n, chunk, block_h) besides the defaults; chunk 10240 = no split of K
-    sweeps = {64: [(64, 64, 512, 16), (64, 128, 256, 16), (32, 64, 256, 16), (64, 64, 1024, 32), (64, 32, 512, 16)],
-              8192: [(128, 128, 10240, 64), (64, 64, 10240, 64), (128, 64, 10240, 128), (64, 128, 2560, 64),
-                     (128, 128, 10240, 128)]}
     rows = []
     for tokens in (64, 8192):
         streams = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
@@ -399,31 +391,10 @@ def bench_hc_batch(results):
         inject = torch.rand(tokens, hc, device=dev, generator=g).to(dt)
         args = (streams, norm_w, w_di, w_up, 1e-6, hc, rank, True)
         calls = 96 if tokens <= 64 else 8
-        ref_out = hc_mix_ref(*args)
         row = {"tokens": tokens, "mix_us": per_call_us(lambda: hc_mix_ref(*args), calls=calls),
                "combine_us": per_call_us(lambda: hc_combine(streams, block, inject), calls=calls),
-               "streams_bytes": streams.numel() * 2, "triton": []}
-        defaults = _batched_tiles(tokens, hidden, hc, rank + hc)
-        variants = [{}] + [dict(block_m=bm, block_n=bn, chunk=kc, block_h=bh) for bm, bn, kc, bh in sweeps[tokens]]
-        for tiles in variants:
-            try:
-                us = per_call_us(lambda: hc_mix_batched(*args, **tiles), calls=calls)
-                # after the graph replays: the arrival counters must have been re-armed by every call
-                got = hc_mix_batched(*args, **tiles)
-                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref_out, got))
-            except Exception as e:  # a tile that does not compile (shared memory) must not end the sweep
-                print(f"hc T={tokens} tiles {tiles}: failed ({type(e).__name__}: {e})", flush=True)
-                continue
-            shown = {k: defaults[k] for k in ("block_m", "block_n", "chunk", "block_h")} if not tiles else tiles
-            row["triton"].append(dict(tiles=shown, default=not tiles, us=us, max_abs_diff=diff))
-            print(f"hc T={tokens} batched {'(default) ' if not tiles else ''}bm={shown['block_m']} "
-                  f"bn={shown['block_n']} chunk={shown['chunk']} bh={shown['block_h']}: {us:.1f} us, "
-                  f"max |diff| {diff:.3g}", flush=True)
-        nan = dict(us=float("nan"), tiles=None)
-        best = min(row["triton"], key=lambda r: r["us"]) if row["triton"] else nan
-        default = next((r for r in row["triton"] if r["default"]), nan)
-        print(f"hc T={tokens}: reference mix {row['mix_us']:.1f} us, batched default {default['us']:.1f} us, "
-              f"best {best['us']:.1f} us {best['tiles']}, combine {row['combine_us']:.1f} us "
+               "streams_bytes": streams.numel() * 2}
+        print(f"hc T={tokens}: mix {row['mix_us']:.1f} us, combine {row['combine_us']:.1f} us "
               f"(streams {row['streams_bytes'] / 1e6:.1f} MB)", flush=True)
         rows.append(row)
     results["hc_batch"] = rows

@@ -126,7 +126,6 @@ class LLMEngine:
         sizes = set(ops.moe.warm_up_token_counts(mc.num_experts, mc.num_experts_per_tok, full)) | {full}
         if any(t == LINEAR for t in mc.layer_types):
             sizes |= set(ops.gated_delta.warm_up_token_counts(mc.linear_num_key_heads, full))
-        sizes |= set(ops.hyper_connection.warm_up_token_counts(mc.hidden_size, mc.hc_count, mc.hc_lowrank, full))
         rounds = [(64, short), (1000, short + long)] + [(n, [n]) for n in sorted(sizes) if n > 1]
         for budget, lengths in rounds:
             budget = min(budget, config.max_num_batched_tokens)

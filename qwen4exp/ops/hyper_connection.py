@@ -1,5 +1,4 @@
-"""Hyper-connection mixing and combining as pure functions. On the GPU the mix runs as Triton kernels
-(`ops.triton_hc`: split-K GEMVs for one token, tensor-core GEMMs from two), the combine as one inductor kernel."""
+"""Hyper-connection mixing and combining as pure functions (one fused kernel each on GPU via inductor)."""
 
 import torch
 import torch.nn.functional as F
@@ -9,27 +8,15 @@ from .norm import rms_norm
 
 
 def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool):
-    """Dispatch: on the GPU, the GEMV kernels for a single token (batch-1 decode), the GEMM kernels from two tokens
-    (both faster than inductor's fusion of the reference, which stays the CPU path and the fallback for widths the
-    kernels do not take)."""
+    """Dispatch: on the GPU, two Triton launches for a single token (batch-1 decode), inductor's fusion otherwise."""
     from . import fast_path
 
     if fast_path(streams):
-        from . import triton_hc
+        from .triton_hc import hc_mix_decode, supported
 
-        if triton_hc.supported(streams, hc):
-            kernel = triton_hc.hc_mix_decode if streams.shape[0] == 1 else triton_hc.hc_mix_batched
-            return kernel(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject)
+        if supported(streams, hc):
+            return hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject)
     return hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject)
-
-
-def warm_up_token_counts(hidden: int, hc: int, rank: int, max_tokens: int) -> list[int]:
-    """Token counts at which the batched mix kernels change variant (with and without the inject rows): one step of
-    each compiles them all before serving."""
-    from .triton_hc import batched_variants
-
-    return sorted(set(batched_variants(max_tokens, hidden, hc, rank)) | set(batched_variants(max_tokens, hidden, hc,
-                                                                                              rank + hc)))
 
 
 @compiled_on_gpu
