@@ -178,7 +178,8 @@ def test_varlen_split_output_equals_split_of_the_full_output(split, block_c):
     full = causal_conv1d_varlen(x, weight, full_state, *args, block_c=block_c)
     parts = causal_conv1d_varlen(x, weight, split_state, *args, block_c=block_c, split=split)
     assert [p.shape[1] for p in parts] == list(split)
-    assert all(p.is_contiguous() for p in parts) == all(w % block_c == 0 for w in split[:2])
+    if all(w % block_c == 0 for w in split[:2]):
+        assert all(p.is_contiguous() for p in parts)
     for got, want in zip(parts, full.split(list(split), -1)):
         assert torch.equal(got, want)
     assert torch.equal(split_state, full_state)
