@@ -102,6 +102,7 @@ def stage_agree(results, device):
     seqs = [torch.randint(10, cfg.vocab_size, (512,), generator=gen).tolist() for _ in range(3)]
     same = total = same16 = same_gpu16 = 0
     nonfinite = 0
+    gaps, differ = [], []  # the reference's top-2 logit gap at every position, and where the GPU's top-1 differs
     for seq in seqs:
         ref = cpu.runner.execute([RequestChunk(seq, 0, [], cpu.cache.pages.allocate(32), cpu.cache.slots.allocate(1)[0],
                                                0)])
@@ -115,13 +116,19 @@ def stage_agree(results, device):
         out = torch.cat(rows).float().cpu()
         nonfinite += int((~torch.isfinite(out)).sum())
         same += int((out.argmax(-1) == ref.argmax(-1)).sum())
+        top2 = ref.float().topk(2, -1).values
+        gaps.append(top2[:, 0] - top2[:, 1])
+        differ.append(out.argmax(-1) != ref.argmax(-1))
         same_gpu16 += int((out.argmax(-1) == ref16.argmax(-1)).sum())
         total += len(seq)
     lp = torch.log_softmax(ref, -1).topk(2, -1).values
+    gaps, differ = torch.cat(gaps), torch.cat(differ)
     results["agree"] = {"preset": "small", "positions": total, "top1_agreement": same / total,
                         "cpu_bf16_reference_top1_agreement": same16 / total,
                         "gpu_vs_cpu_bf16_top1_agreement": same_gpu16 / total,
                         "last_seq_median_top1_prob": float(lp[:, 0].exp().median()),
+                        "ref_top2_gap_median": float(gaps.median()),
+                        "ref_top2_gap_max_where_top1_differs": float(gaps[differ].max()) if differ.any() else 0.0,
                         "nonfinite_logits": nonfinite, "graph_decode_positions": 3 * 256}
     log("agree", results["agree"])
     del cpu, gpu, cpu16
