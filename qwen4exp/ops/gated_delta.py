@@ -109,10 +109,11 @@ def gated_delta_rule_ref(
 
 
 def warm_up_token_counts(num_key_heads: int, max_tokens: int) -> list[int]:
-    """Step sizes (prefill tokens) at which fla's chunk path autotunes anew: its q/k l2norm keys its tuning on
-    cdiv(tokens * heads, 65536), one bucket per 65536 / heads tokens."""
+    """One step size (prefill tokens) per autotuning key of fla's chunk path up to max_tokens: its q/k l2norm keys
+    its tuning on cdiv(tokens * heads, 65536), one bucket per 65536 / heads tokens. The first bucket is met by every
+    smaller step, so it needs no size of its own."""
     per_bucket = max(1, 65536 // num_key_heads)
-    return [min(n, max_tokens) for n in range(per_bucket, max_tokens + per_bucket, per_bucket)]
+    return [min(n * per_bucket, max_tokens) for n in range(2, -(-max_tokens // per_bucket) + 1)]
 
 
 def _fla_chunk():
