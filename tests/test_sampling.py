@@ -108,3 +108,26 @@ def test_chat_uses_the_template(llm):
     expected = tok.encode("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     assert out.prompt_token_ids == expected
     assert torch.tensor(out.outputs[0].token_ids).numel() == 2
+
+
+@pytest.mark.parametrize("seeded_rows", [(), (1, 3)])
+def test_temperature_sampling_follows_the_softmax(seeded_rows):
+    """Rows without a seed share one draw from the engine's generator, seeded rows draw from their own: either way
+    every row's tokens follow softmax(logits / temperature)."""
+    from qwen4exp.engine.request import Request
+    from qwen4exp.engine.sampler import Sampler
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    temperature = 0.7
+    logits = (probs.log() * temperature).repeat(4, 1)  # softmax(logits / temperature) = probs on every row
+    requests = [Request(f"r{i}", [1], SamplingParams(temperature=temperature, seed=7 + i if i in seeded_rows else None))
+                for i in range(4)]
+    sampler = Sampler("cpu", seed=0)
+    draws = 3000
+    counts = torch.zeros(4, 4)
+    for _ in range(draws):
+        tokens = sampler.sample(logits, requests, [[] for _ in requests]).to_host().token_ids
+        counts[torch.arange(4), torch.tensor(tokens)] += 1
+    freq = counts / draws
+    assert (freq - probs).abs().max() < 0.035, freq  # ~4 standard errors at p = 0.5
+    assert not torch.equal(counts[0], counts[2])  # rows draw independent noise

@@ -120,8 +120,19 @@ class Sampler:
             rows = to_device(sampled_rows, logits.device)
             probs = torch.softmax(_filter(logits[rows], [requests[i] for i in sampled_rows]), dim=-1)
             q = torch.empty_like(probs)
-            for j, i in enumerate(sampled_rows):
-                q[j].exponential_(generator=self.generator_for(requests[i]))
+            # unseeded rows share the engine's generator: one launch for all of them, not one per row (64 launches
+            # per step at batch 64); seeded rows draw from their own generator so their tokens ignore the batch
+            shared = [j for j, i in enumerate(sampled_rows) if requests[i].params.seed is None]
+            if len(shared) == len(sampled_rows):
+                q.exponential_(generator=self.generator)
+            else:
+                if shared:
+                    rows_shared = to_device(shared, q.device)
+                    q[rows_shared] = torch.empty(len(shared), q.shape[1], dtype=q.dtype,
+                                                 device=q.device).exponential_(generator=self.generator)
+                for j, i in enumerate(sampled_rows):
+                    if requests[i].params.seed is not None:
+                        q[j].exponential_(generator=self.generator_for(requests[i]))
             tokens[rows] = (probs / q).argmax(-1)
         ks = [r.params.logprobs for r in requests]
         if all(k is None for k in ks):  # nobody reads logprobs or ranks: skip the vocab-wide passes
