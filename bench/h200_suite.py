@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -300,6 +301,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    # the engine logs where startup goes (weights, graph capture, warm-up): keep it in the suite's log
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("qwen4exp").setLevel(logging.INFO)
     os.makedirs(args.out, exist_ok=True)
     RESULTS_PATH = os.path.join(args.out, "results.json")
     results = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),

@@ -15,6 +15,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -322,6 +323,8 @@ def main():
     ap.add_argument("--preset", default="flash-next-128e")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("qwen4exp").setLevel(logging.INFO)
     os.makedirs(args.out, exist_ok=True)
     cfg = preset(args.preset)
     ecfg = EngineConfig(max_model_len=min(33 * 1024, cfg.max_position_embeddings), max_num_seqs=64,
