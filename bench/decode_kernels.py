@@ -1,6 +1,6 @@
 """Decode-size fast kernels at flash-next widths (bf16, H200): per-call time inside a CUDA graph, with tile sweeps.
 
-    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route,gemv,gdn]
+    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route,gemv,gdn,conv,hc_batch]
 
   hc mix:   `ops.triton_hc.hc_mix_decode` against the inductor-compiled reference (4 streams x 2560, low rank 320),
             T = 1, 2, 4; tiles swept at T = 1.
@@ -16,6 +16,9 @@
             (inductor) + the recurrent kernel against the kernel computing the gates from the raw b, a projections;
             the fused kernel's value-tile widths (128 = one program per head, what folding the output norm into
             it would take) and the gated RMS norm after it, as the model called it before and as it calls it now.
+  conv:     the GDN causal conv (10240 channels): the decode update kernel at batch 1 and 64 over channel tiles and
+            warps, and the varlen prefill kernel at 8 x 1024 tokens over token / channel tiles, against torch.
+  hc_batch: the compiled hyper-connection mix and combine at 64 and 8192 tokens (batch-64 decode, 8 x 1k prefill).
 
 Each variant is captured in a CUDA graph of `calls` calls (a decode step's worth), replayed 30 times; prints the
 median microseconds per call, the weight bytes per call over that time, and the max difference from the reference.
@@ -349,7 +352,8 @@ def bench_conv(results):
         ref = causal_conv1d_update_ref(x, w, state_copy, slots, has_init)
         row["max_abs_diff"] = (got.float() - ref.float()).abs().max().item()
         best = min((k for k in row if k.startswith("bc")), key=row.get)
-        print(f"conv update B={batch}: ref {row['ref_us']:.2f} us, default {row['bc256_w4']:.2f} us, best {best} "
+        print(f"conv update B={batch}: ref {row['ref_us']:.2f} us, 128 channels x 1 warp (the default) "
+              f"{row['bc128_w1']:.2f} us, 256 x 4 (the old default) {row['bc256_w4']:.2f} us, best {best} "
               f"{row[best]:.2f} us, diff {row['max_abs_diff']:.3g}", flush=True)
         out["update"].append(row)
     n, L = 8, 1024

@@ -125,14 +125,12 @@ class Sampler:
             shared = [j for j, i in enumerate(sampled_rows) if requests[i].params.seed is None]
             if len(shared) == len(sampled_rows):
                 q.exponential_(generator=self.generator)
-            else:
-                if shared:
-                    rows_shared = to_device(shared, q.device)
-                    q[rows_shared] = torch.empty(len(shared), q.shape[1], dtype=q.dtype,
-                                                 device=q.device).exponential_(generator=self.generator)
-                for j, i in enumerate(sampled_rows):
-                    if requests[i].params.seed is not None:
-                        q[j].exponential_(generator=self.generator_for(requests[i]))
+            elif shared:
+                q[to_device(shared, q.device)] = torch.empty(len(shared), q.shape[1], dtype=q.dtype,
+                                                             device=q.device).exponential_(generator=self.generator)
+            for j, i in enumerate(sampled_rows):
+                if requests[i].params.seed is not None:
+                    q[j].exponential_(generator=self.generator_for(requests[i]))
             tokens[rows] = (probs / q).argmax(-1)
         ks = [r.params.logprobs for r in requests]
         if all(k is None for k in ks):  # nobody reads logprobs or ranks: skip the vocab-wide passes

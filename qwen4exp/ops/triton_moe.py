@@ -200,7 +200,7 @@ def fused_variant(num_tokens: int, num_experts: int, top_k: int) -> tuple:
     """What `fused_moe` compiles for num_tokens tokens: its tile config and the align kernel's register width."""
     pairs = num_tokens * top_k
     config = get_config(num_tokens, num_experts, top_k, 0, 0)
-    return ("fused", config, pairs <= ALIGN_KERNEL_SMALL_PAIRS, pairs <= ALIGN_KERNEL_MAX_PAIRS)
+    return ("fused", config, pairs <= ALIGN_KERNEL_SMALL_PAIRS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
