@@ -10,6 +10,30 @@ from dataclasses import dataclass, field
 import torch
 
 
+def build_q_tiles(query_start_loc: list[int], context_lens: list[int], tile_tokens: int) -> torch.Tensor:
+    """Host tile table for `prefill_paged_attention`: int32 [num_tiles, 3] = (request, first flat token row, rows)
+    for every `tile_tokens`-token piece of every request (one-token requests included), so the tiles cover every
+    row of the step exactly once and none straddles two requests.
+
+    Ordered by the tile's last logical position, longest first: a tile's cost grows with the keys it reads, and
+    launching the longest ones first keeps one late long tile from running alone at the end of the grid. The
+    order only affects speed (context_lens may be anything for correctness).
+    """
+    assert tile_tokens >= 1
+    qsl = torch.tensor(query_start_loc, dtype=torch.long)
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    n = qsl[1:] - qsl[:-1]
+    per_req = (n + tile_tokens - 1) // tile_tokens
+    req = torch.repeat_interleave(torch.arange(n.numel()), per_req)
+    starts = torch.cumsum(per_req, 0) - per_req  # each request's first tile in the list
+    local = (torch.arange(req.numel()) - starts[req]) * tile_tokens  # first token's index within its request
+    first = qsl[req] + local
+    rows = torch.clamp(n[req] - local, max=tile_tokens)
+    last_pos = ctx[req] + local + rows - 1
+    order = torch.argsort(-last_pos, stable=True)
+    return torch.stack([req, first, rows], 1)[order].to(torch.int32).contiguous()
+
+
 @dataclass
 class StepMetadata:
     input_ids: torch.Tensor  # [T] int64
@@ -60,5 +84,16 @@ class StepMetadata:
             qsl = self.query_start_loc_cpu[self.num_decode_reqs:]
             rows = [(r, c) for r in range(len(qsl) - 1) for c in range(-(-(qsl[r + 1] - qsl[r]) // chunk))]
             host = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
+            self.derived[key] = host.to(self.query_start_loc.device, non_blocking=True)
+        return self.derived[key]
+
+    def prefill_q_tiles(self, tile_tokens: int) -> torch.Tensor:
+        """int32 [num_tiles, 3] on the device: (request, first token row, rows) for every `tile_tokens`-token piece
+        of every request, decodes included, longest context first: the tile table of
+        `ops.triton_attention.prefill_paged_attention` (see `build_q_tiles`). Built on the host once per step and
+        shared by every attention layer, like prefill_chunk_indices."""
+        key = ("prefill_q_tiles", tile_tokens)
+        if key not in self.derived:
+            host = build_q_tiles(self.query_start_loc_cpu, self.context_lens_cpu, tile_tokens)
             self.derived[key] = host.to(self.query_start_loc.device, non_blocking=True)
         return self.derived[key]

@@ -16,6 +16,13 @@ from . import compiled_on_gpu
 from .norm import rms_norm
 from .rotary import apply_rope
 
+# Dense (selected is None) GPU steps with at least this many tokens, some of them prefill, run the flash-style prefill
+# kernel (triton_attention.prefill_paged_attention) instead of the per-token sparse_paged_attention. None = off:
+# the kernel is checked against the reference (tests/ops/test_triton_attention.py) but has never run on a GPU. The
+# next GPU session must time it first (python bench/decode_kernels.py --parts prefill_attn), pick its tiles
+# (prefill_tile_config) and set this to the step size from which it wins, rather than enabling it blind.
+PREFILL_KERNEL_MIN_TOKENS: int | None = None
+
 
 @compiled_on_gpu
 def pool_block_keys(token_slots, flat_keys, norm_weight, eps: float, cos, sin):
@@ -165,6 +172,17 @@ def paged_attention(q, key_cache, value_cache, meta, scale: float, selected=None
     if not fast_path(q):
         return paged_attention_ref(q, key_cache, value_cache, meta.block_tables, meta.query_start_loc_cpu,
                                    meta.context_lens_cpu, scale, selected)
+    if (selected is None and PREFILL_KERNEL_MIN_TOKENS is not None and meta.num_tokens >= PREFILL_KERNEL_MIN_TOKENS
+            and meta.num_decode_reqs < meta.num_reqs):
+        # all-decode steps stay on the split-K decode kernel even when large: they are the CUDA-graph steps, and one
+        # query per request is all a prefill tile would hold
+        from .triton_attention import prefill_paged_attention, prefill_tile_config, prefill_tile_tokens
+
+        group = q.shape[1] // key_cache.shape[2]
+        cfg = prefill_tile_config(q.shape[-1], group)
+        tiles = meta.prefill_q_tiles(prefill_tile_tokens(cfg["block_m"], group))
+        return prefill_paged_attention(q, key_cache, value_cache, meta.block_tables, meta.token_pos, tiles, scale,
+                                       **cfg)
     from .triton_attention import sparse_paged_attention
 
     return sparse_paged_attention(q, key_cache, value_cache, meta.block_tables, meta.token_req, meta.token_pos,

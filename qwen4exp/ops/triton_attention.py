@@ -19,6 +19,10 @@ the GPU, so the key range is cut into num_splits pieces instead.
 
 Everything is a pure function of tensor shapes (no host reads of tensor values), so a decode step is CUDA-graph
 capturable once the caller fixes T and num_splits.
+
+`prefill_paged_attention` is the dense causal alternative for prefill steps (see its section below): one program per
+(tile of consecutive tokens of one request, kv head), so a K/V tile read through the block table serves every query
+of the tile instead of one. Its tile table comes from the host once per step (StepMetadata.prefill_q_tiles).
 """
 
 import torch
@@ -333,7 +337,199 @@ def sparse_paged_attention_ref(
     return out
 
 
-__all__ = ["sparse_paged_attention", "sparse_paged_attention_ref", "default_num_splits"]
+__all__ = ["sparse_paged_attention", "sparse_paged_attention_ref", "default_num_splits", "prefill_paged_attention",
+           "prefill_tile_config", "prefill_tile_tokens"]
+
+
+# ----- prefill: flash-attention tiles of consecutive query tokens of one request -----
+#
+# Work decomposition: one program per (query tile, kv head). A tile is up to TILE_T consecutive tokens of one request,
+# and the M rows of its matmuls are the (token, query head) pairs of that kv head's group, token-major
+# (row = token * GROUP + head), so BLOCK_M = TILE_T * GROUP rounded up to a power of two. Against one program per
+# (tile, query head) with BLOCK_M tokens, every gathered K/V row still feeds BLOCK_M query rows (the same arithmetic
+# intensity), but:
+#   - a tile spans GROUP times fewer positions, so its causal diagonal (the masked, partly wasted key tiles) and the
+#     padding of a request's last tile shrink by the same factor;
+#   - a one-token request (a decode riding in a prefill step) fills GROUP rows instead of 1, and its keys are read
+#     once per kv head rather than once per query head, so mixed steps need no second kernel for their decodes.
+
+_PREFILL_STEP_SIZED = ["stride_bt"]  # the block table's width is the step's widest request (see _STEP_SIZED)
+
+
+@triton.jit
+def _flash_tile(
+    q, m_i, l_i, acc, kpos, qpos, hi, req_row_ptr, k_head_ptr, v_head_ptr,
+    stride_kp, stride_kr, stride_vp, stride_vr, qk_scale, offs_d, d_mask,
+    PAGE: tl.constexpr, DOT_PREC: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    if CAUSAL:
+        kv_valid = kpos <= hi
+        page_id = tl.load(req_row_ptr + kpos // PAGE, mask=kv_valid, other=0).to(tl.int64)
+        kv_mask = kv_valid[:, None] & d_mask[None, :]
+    else:
+        # every key of the tile precedes every query of the tile: no position masks at all
+        page_id = tl.load(req_row_ptr + kpos // PAGE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    row = (kpos % PAGE).to(tl.int64)
+    k = tl.load(k_head_ptr + page_id[:, None] * stride_kp + row[:, None] * stride_kr + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 domain
+    if CAUSAL:
+        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # padding rows (qpos = -1) see no key at all; anchoring them at 0 avoids (-inf) - (-inf) = nan
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head_ptr + page_id[:, None] * stride_vp + row[:, None] * stride_vr + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=_PREFILL_STEP_SIZED)
+def _prefill_paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, tiles_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kp, stride_kr, stride_kh,
+    stride_vp, stride_vr, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    req = tl.load(tiles_ptr + tile * 3).to(tl.int64)
+    first = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int64)
+    count = tl.load(tiles_ptr + tile * 3 + 2)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = offs_m // GROUP
+    heads = kvh * GROUP + offs_m % GROUP
+    d_mask = offs_d < HEAD_DIM
+    req_row_ptr = bt_ptr + req * stride_bt
+    k_head_ptr = k_ptr + kvh * stride_kh
+    v_head_ptr = v_ptr + kvh * stride_vh
+
+    # A tile table built for more tokens than TILE_T is still served, TILE_T tokens at a time: a table/tile-size
+    # mismatch then costs speed, never rows. With a matching table this loop runs once.
+    for t0 in range(0, count, TILE_T):
+        row_valid = (tok < TILE_T) & (t0 + tok < count)
+        rows = first + t0 + tok
+        # padding rows get position -1, which the causal mask hides every key from
+        qpos = tl.load(pos_ptr + rows, mask=row_valid, other=-1).to(tl.int32)
+        lo = tl.min(tl.where(row_valid, qpos, 2147483647), 0)
+        hi = tl.max(qpos, 0)
+        q_mask = row_valid[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=q_mask, other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # key tiles wholly at or before the tile's first query need no mask; only the diagonal ones after them do
+        full_end = (lo + 1) // BLOCK_N * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _flash_tile(
+                q, m_i, l_i, acc, n0 + offs_n, qpos, hi, req_row_ptr, k_head_ptr, v_head_ptr,
+                stride_kp, stride_kr, stride_vp, stride_vr, qk_scale, offs_d, d_mask, PAGE, DOT_PREC, False,
+            )
+        for n0 in range(full_end, hi + 1, BLOCK_N):
+            m_i, l_i, acc = _flash_tile(
+                q, m_i, l_i, acc, n0 + offs_n, qpos, hi, req_row_ptr, k_head_ptr, v_head_ptr,
+                stride_kp, stride_kr, stride_vp, stride_vr, qk_scale, offs_d, d_mask, PAGE, DOT_PREC, True,
+            )
+        # every stored row sees at least its own key (l > 0); only unstored padding rows can have l = 0, and the
+        # guard keeps them from computing 0 / 0
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_tile_config(head_dim: int, group: int) -> dict:
+    """Default tiles of `prefill_paged_attention` (not yet measured on a GPU: bench/decode_kernels.py prefill_attn).
+
+    D = 256: a [64, 256] fp32 accumulator is 64 KB of registers and each 32-key K+V tile 32 KB of bf16 shared memory
+    per stage, so 64 rows x 32 keys with 4 warps and 2 stages leaves room for two programs per SM; D <= 128 halves
+    both, so twice the rows and keys fit."""
+    if triton.next_power_of_2(head_dim) <= 128:
+        cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    else:
+        cfg = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    cfg["block_m"] = max(cfg["block_m"], triton.next_power_of_2(group))
+    return cfg
+
+
+def prefill_tile_tokens(block_m: int, group: int) -> int:
+    """Tokens per tile when the M rows are (token, query head) pairs: what `build_q_tiles` should be given."""
+    assert block_m >= group, (block_m, group)
+    return block_m // group
+
+
+def prefill_paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_pos: torch.Tensor,
+    q_tiles: torch.Tensor,
+    scale: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Dense causal GQA attention of every token over its request's paged cache, flash-attention style: the same
+    result as `sparse_paged_attention(..., selected=None)`, computed per tile of consecutive tokens of one request.
+
+    q_tiles: int32 [num_tiles, 3] (request, first token row, rows) on q's device, from `StepMetadata.prefill_q_tiles` /
+    `model.metadata.build_q_tiles` with tile_tokens = `prefill_tile_tokens(block_m, Hq // Hkv)`; it must cover every
+    row of q exactly once with runs of consecutive rows of one request, at consecutive positions (as token_pos has
+    them). A table built with more tokens per tile is still correct, only slower.
+    block_m: matmul rows per program, (token, query head) pairs; block_m // group tokens per tile. block_n: keys
+    per inner step. None takes `prefill_tile_config`. Softmax and accumulation in fp32; returns q's dtype.
+    """
+    T, hq, D = q.shape
+    _, page, hkv, _ = key_cache.shape
+    assert hq % hkv == 0, (hq, hkv)
+    assert value_cache.shape == key_cache.shape
+    assert q_tiles.dim() == 2 and q_tiles.shape[1] == 3 and q_tiles.is_contiguous()
+    group = hq // hkv
+    out = torch.empty_like(q)
+    if T == 0 or q_tiles.shape[0] == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    cfg = prefill_tile_config(D, group)
+    block_m = cfg["block_m"] if block_m is None else block_m
+    block_n = cfg["block_n"] if block_n is None else block_n
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    tile_t = prefill_tile_tokens(block_m, group)
+    assert block_m >= 16 and block_n >= 16, "tl.dot needs at least 16 rows and 16 keys"
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # as in sparse_paged_attention
+    _prefill_paged_attn_kernel[(q_tiles.shape[0], hkv)](
+        q, key_cache, value_cache, block_tables, token_pos, q_tiles, out,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=D, PAGE=page, TILE_T=tile_t,
+        BLOCK_M=triton.next_power_of_2(block_m), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
+        DOT_PREC=dot_prec, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
 
 
 # ----- cache writes: up to three caches rows in one launch -----

@@ -15,9 +15,13 @@ import pytest
 
 pytest.importorskip("triton")
 
+from qwen4exp.model.metadata import StepMetadata, build_q_tiles
 from qwen4exp.ops import attention as ref_ops
 from qwen4exp.ops.triton_attention import (
     default_num_splits,
+    prefill_paged_attention,
+    prefill_tile_config,
+    prefill_tile_tokens,
     sparse_paged_attention,
     sparse_paged_attention_ref,
     write_rows,
@@ -239,3 +243,137 @@ def test_write_rows_matches_write_slots(num_pairs, dtype):
     write_rows(list(zip(caches, values)), slots)
     for e, c in zip(expected, caches):
         assert torch.equal(e, c)
+
+
+# ----- prefill_paged_attention: flash tiles of consecutive tokens of one request -----
+
+# decodes first (as the runner orders them), then prompts from 0 and prompt chunks after a cached prefix
+PREFILL_CTX = [33, 0, 12, 0, 40]
+PREFILL_NEW = [1, 1, 5, 70, 130]
+
+
+def step_meta(qsl, ctx, num_decode_reqs=0, device="cpu"):
+    """A StepMetadata holding only what the prefill tile table reads."""
+    from dataclasses import fields
+
+    meta = StepMetadata(**{f.name: None for f in fields(StepMetadata) if f.name != "derived"})
+    meta.query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=device)
+    meta.query_start_loc_cpu, meta.context_lens_cpu = list(qsl), list(ctx)
+    meta.state_slots_cpu = list(range(1, len(ctx) + 1))
+    meta.num_decode_reqs = num_decode_reqs
+    return meta
+
+
+def run_prefill(b, scale, block_m, tile_tokens=None, **kw):
+    group = b["q"].shape[1] // b["key_cache"].shape[2]
+    tiles = build_q_tiles(b["qsl"], b["ctx"], tile_tokens or prefill_tile_tokens(block_m, group))
+    return prefill_paged_attention(b["q"], b["key_cache"], b["value_cache"], b["block_tables"], b["token_pos"],
+                                   tiles.to(b["q"].device), scale, block_m=block_m, **kw)
+
+
+@pytest.mark.parametrize("tile_tokens", [1, 4, 5, 16, 64, 200])
+def test_prefill_q_tiles_cover_each_row_once(tile_tokens):
+    qsl = [0, 1, 2, 7, 77, 207, 207, 210]  # two decodes, then chunks of 5, 70, 130, 0 and 3 tokens
+    ctx = [33, 9, 12, 0, 40, 6, 100]
+    meta = step_meta(qsl, ctx, num_decode_reqs=2)
+    tiles = meta.prefill_q_tiles(tile_tokens)
+    assert tiles.dtype == torch.int32 and tiles.shape[1] == 3
+    assert meta.prefill_q_tiles(tile_tokens) is tiles  # built once per step, shared by every layer
+    seen = torch.zeros(qsl[-1], dtype=torch.int32)
+    last_positions = []
+    for req, first, rows in tiles.tolist():
+        assert 1 <= rows <= tile_tokens
+        assert qsl[req] <= first and first + rows <= qsl[req + 1]  # inside one request
+        seen[first: first + rows] += 1
+        last_positions.append(ctx[req] + first + rows - 1 - qsl[req])
+    assert (seen == 1).all()
+    assert last_positions == sorted(last_positions, reverse=True)  # longest tiles launch first
+    expected_tiles = sum(-(-(e - s) // tile_tokens) for s, e in zip(qsl, qsl[1:]))
+    assert tiles.shape[0] == expected_tiles
+
+
+# block_m rows are (token, query head) pairs: 16 rows at group 3 are tiles of 5 tokens (15 rows + 1 padding row), so
+# the 70- and 130-token requests split into many tiles with a partial last one, at every offset against the pages
+@pytest.mark.parametrize("page,group,D,block_m,block_n", [
+    (8, 1, 32, 16, 16),
+    (16, 3, 32, 16, 32),
+    (8, 3, 64, 32, 16),
+    (16, 1, 64, 64, 16),
+    (8, 3, 48, 16, 16),  # head_dim not a power of two: masked lanes
+])
+def test_prefill_matches_paged_attention(page, group, D, block_m, block_n):
+    b = make_batch(page, hkv=2, group=group, D=D, ctx=PREFILL_CTX, new=PREFILL_NEW, seed=20 + D + group)
+    scale = D**-0.5
+    expected = reference(b, scale)
+    out = run_prefill(b, scale, block_m, block_n=block_n)
+    assert torch.isfinite(out).all()  # nothing read from unowned pages or unwritten rows (they hold nan)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_table_coarser_than_tile_and_unordered():
+    # a table of 40-token tiles for a kernel holding 5 tokens per tile: served 5 at a time, still exact; the tile
+    # order does not matter either
+    b = make_batch(16, hkv=2, group=3, D=32, ctx=PREFILL_CTX, new=PREFILL_NEW, seed=30)
+    scale = 0.2
+    expected = reference(b, scale)
+    torch.testing.assert_close(run_prefill(b, scale, 16, tile_tokens=40, block_n=16), expected, atol=1e-5,
+                               rtol=1e-5)
+    tiles = build_q_tiles(b["qsl"], b["ctx"], 5).flip(0).contiguous()
+    out = prefill_paged_attention(b["q"], b["key_cache"], b["value_cache"], b["block_tables"], b["token_pos"],
+                                  tiles, scale, block_m=16, block_n=16)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_model_head_layout_strided_q():
+    # Hq=24 over Hkv=2 at D=256 with the default tiles (64 rows: 5 tokens x 12 heads), q a slice of [q | gate]
+    b = make_batch(16, hkv=2, group=12, D=256, ctx=[52, 0, 30], new=[1, 12, 9], seed=31)
+    packed = torch.randn(b["q"].shape[0], 24, 512, device=DEVICE)
+    packed[..., :256] = b["q"]
+    b["q"] = packed[..., :256]
+    cfg = prefill_tile_config(256, 12)
+    assert prefill_tile_tokens(cfg["block_m"], 12) == 5
+    scale = 256**-0.5
+    torch.testing.assert_close(run_prefill(b, scale, cfg["block_m"], block_n=cfg["block_n"]), reference(b, scale),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_fp16():
+    b = make_batch(8, hkv=2, group=3, D=32, ctx=PREFILL_CTX, new=PREFILL_NEW, dtype=torch.float16, seed=32)
+    scale = 32**-0.5
+    out = run_prefill(b, scale, 16, block_n=16)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, run_ref(b, scale), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Triton interpreter has no bf16 tl.dot")
+@pytest.mark.parametrize("group,D", [(3, 64), (12, 256)])
+def test_prefill_bf16(group, D):
+    b = make_batch(16, hkv=2, group=group, D=D, ctx=PREFILL_CTX, new=PREFILL_NEW, dtype=torch.bfloat16, seed=33)
+    scale = D**-0.5
+    expected = run_ref(b, scale)  # fp32 math on the bf16 inputs
+    for block_m, block_n in ((None, None), (32, 16), (128, 64)):
+        out = run_prefill(b, scale, block_m or prefill_tile_config(D, group)["block_m"], block_n=block_n)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+        # the current decode path rounds differently but must agree as closely
+        torch.testing.assert_close(out.float(), run(b, scale).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_dispatch(monkeypatch):
+    b = make_batch(16, hkv=2, group=4, D=64, ctx=PREFILL_CTX, new=PREFILL_NEW, dtype=torch.bfloat16, seed=34)
+    meta = step_meta(b["qsl"], b["ctx"], num_decode_reqs=2, device=DEVICE)
+    meta.block_tables, meta.token_req, meta.token_pos = b["block_tables"], b["token_req"], b["token_pos"]
+    scale = 0.125
+    calls = []
+    from qwen4exp.ops import triton_attention
+
+    real = triton_attention.prefill_paged_attention
+    monkeypatch.setattr(triton_attention, "prefill_paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    default = ref_ops.paged_attention(b["q"], b["key_cache"], b["value_cache"], meta, scale)
+    assert not calls  # off by default
+    monkeypatch.setattr(ref_ops, "PREFILL_KERNEL_MIN_TOKENS", 64)
+    out = ref_ops.paged_attention(b["q"], b["key_cache"], b["value_cache"], meta, scale)
+    assert calls
+    torch.testing.assert_close(out.float(), default.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, run_ref(b, scale), atol=2e-2, rtol=2e-2)
