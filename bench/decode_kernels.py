@@ -19,6 +19,10 @@
   conv:     the GDN causal conv (10240 channels): the decode update kernel at batch 1 and 64 over channel tiles and
             warps, and the varlen prefill kernel at 8 x 1024 tokens over token / channel tiles, against torch.
   hc_batch: the compiled hyper-connection mix and combine at 64 and 8192 tokens (batch-64 decode, 8 x 1k prefill).
+  prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
+            head_dim 256, page 16): `sparse_paged_attention` (the current path) against the flash-style
+            `prefill_paged_attention` at its defaults and a tile sweep, 8 x 1024 and 1 x 8192 new tokens and
+            4 x 1024 after 3072 cached; run it before setting ops.attention.PREFILL_KERNEL_MIN_TOKENS.
 
 Each variant is captured in a CUDA graph of `calls` calls (a decode step's worth), replayed 30 times; prints the
 median microseconds per call, the weight bytes per call over that time, and the max difference from the reference.
@@ -404,6 +408,87 @@ def bench_hc_batch(results):
     results["hc_batch"] = rows
 
 
+# (requests, new tokens each, tokens already cached each): two prompt steps from scratch, and chunks after a prefix
+PREFILL_CASES = ((8, 1024, 0), (1, 8192, 0), (4, 1024, 3072))
+# (block_m rows = tokens x 12 heads, block_n, num_warps, num_stages), besides prefill_tile_config's defaults
+PREFILL_TILES = ((64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3))
+
+
+def bench_prefill_attn(results, cases=PREFILL_CASES, tiles=PREFILL_TILES, widths=(24, 2, 256, 16), dev="cuda",
+                       dt=torch.bfloat16, calls=12, sample_rows=256):
+    """Dense causal prefill attention (the non-QSA layers' case) at flash-next widths: the current per-token
+    sparse_paged_attention against prefill_paged_attention at its defaults and other tiles. Pages are shuffled;
+    each step's tile table is built outside the timed graph (once per step in the model). max |diff| is against the
+    current path over every row; err_fp32 against the fp32 torch reference on `sample_rows` rows spread over the
+    step, for both kernels. The other arguments exist so the part can be smoke-tested small on the CPU."""
+    from qwen4exp.model.metadata import build_q_tiles
+    from qwen4exp.ops.triton_attention import (
+        prefill_paged_attention,
+        prefill_tile_config,
+        prefill_tile_tokens,
+        sparse_paged_attention,
+        sparse_paged_attention_ref,
+    )
+
+    hq, hkv, D, page = widths
+    group = hq // hkv
+    g = torch.Generator(device=dev).manual_seed(0)
+    default = prefill_tile_config(D, group)
+    out_rows = []
+    for n_req, new, ctx in cases:
+        T, total = n_req * new, ctx + new
+        pages = -(-total // page)
+        num_pages = n_req * pages + 1
+        block_tables = (torch.randperm(num_pages - 1, device=dev, generator=g) + 1).view(n_req, pages).int()
+        k_cache = torch.randn(num_pages, page, hkv, D, device=dev, generator=g).to(dt)
+        v_cache = torch.randn(num_pages, page, hkv, D, device=dev, generator=g).to(dt)
+        q = torch.randn(T, hq, D, device=dev, generator=g).to(dt)
+        token_req = torch.arange(T, device=dev) // new
+        token_pos = ctx + torch.arange(T, device=dev) % new
+        qsl, ctxs = list(range(0, T + 1, new)), [ctx] * n_req
+        scale = D**-0.5
+        # QK^T and PV over each query's visible keys (the causal half, plus the whole prefix)
+        flops = 4 * hq * D * n_req * sum(ctx + i + 1 for i in range(new))
+        sample = torch.linspace(0, T - 1, min(sample_rows, T), device=dev).long()
+        exact = sparse_paged_attention_ref(q[sample].float(), k_cache.float(), v_cache.float(), block_tables,
+                                           token_req[sample], token_pos[sample], scale)
+
+        def current():
+            return sparse_paged_attention(q, k_cache, v_cache, block_tables, token_req, token_pos, scale,
+                                          max_context=total)
+
+        ref = current()
+        row = dict(requests=n_req, new_tokens=new, cached=ctx, tflop=flops / 1e12,
+                   current_us=per_call_us(current, calls=calls),
+                   current_err_fp32=(ref[sample].float() - exact).abs().max().item(), sweep=[])
+        print(f"prefill_attn {n_req}x{new} after {ctx}: sparse_paged_attention {row['current_us']:8.1f} us "
+              f"({flops / row['current_us'] / 1e6:6.1f} TFLOP/s), err vs fp32 {row['current_err_fp32']:.3g}",
+              flush=True)
+        for cfg in [default] + [dict(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in tiles]:
+            q_tiles = build_q_tiles(qsl, ctxs, prefill_tile_tokens(cfg["block_m"], group)).to(dev)
+
+            def flash(cfg=cfg, q_tiles=q_tiles):
+                return prefill_paged_attention(q, k_cache, v_cache, block_tables, token_pos, q_tiles, scale, **cfg)
+
+            got = flash()
+            entry = dict(cfg, default=cfg is default, num_tiles=q_tiles.shape[0],
+                         max_abs_diff=(got.float() - ref.float()).abs().max().item(),
+                         err_fp32=(got[sample].float() - exact).abs().max().item())
+            entry["us"] = per_call_us(flash, calls=calls)
+            row["sweep"].append(entry)
+            print(f"prefill_attn {n_req}x{new} after {ctx}: prefill_paged_attention {cfg['block_m']:3d} rows "
+                  f"({prefill_tile_tokens(cfg['block_m'], group)} tokens) x {cfg['block_n']:2d} keys "
+                  f"w{cfg['num_warps']} s{cfg['num_stages']}{' (defaults)' if cfg is default else ''}: "
+                  f"{entry['us']:8.1f} us ({flops / entry['us'] / 1e6:6.1f} TFLOP/s, "
+                  f"{row['current_us'] / entry['us']:.2f}x the current path's speed), "
+                  f"max |diff| {entry['max_abs_diff']:.3g}, err vs fp32 {entry['err_fp32']:.3g}", flush=True)
+        best = min(row["sweep"], key=lambda e: e["us"])
+        print(f"prefill_attn {n_req}x{new} after {ctx}: best {best['block_m']}x{best['block_n']} w{best['num_warps']} "
+              f"s{best['num_stages']} {best['us']:.1f} us vs current {row['current_us']:.1f} us", flush=True)
+        out_rows.append(row)
+    results["prefill_attn"] = out_rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -411,7 +496,8 @@ def main():
     a = ap.parse_args()
     results = {"device": torch.cuda.get_device_name()}
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
-             "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch}
+             "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
+             "prefill_attn": bench_prefill_attn}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:
