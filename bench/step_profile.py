@@ -271,6 +271,7 @@ def phases_part(engine, results: dict, budget: int | None = None) -> None:
         "output_tok_s": r["output_throughput"], "duration_s": r["duration_s"],
         "prefill_steps": len(pre), "prefill_s": sum(s[2] for s in pre),
         "prefill_tokens": sum(s[0] for s in pre),
+        "prefill_steps_ms_tokens": [(round(s[2] * 1e3, 1), s[0]) for s in pre],
         "decode_steps": len(dec), "decode_s": sum(s[2] for s in dec),
         "decode_median_step_ms": sorted(s[2] for s in dec)[len(dec) // 2] * 1e3 if dec else None,
         "decode_batch_hist": collections.Counter(s[1] for s in dec).most_common(6),
@@ -322,13 +323,15 @@ def main():
     ap.add_argument("--parts", default="decode,prefill,phases")
     ap.add_argument("--preset", default="flash-next-128e")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="the engine's step budget (the warm-up compiles up to it); phasesN runs with budget N")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("qwen4exp").setLevel(logging.INFO)
     os.makedirs(args.out, exist_ok=True)
     cfg = preset(args.preset)
     ecfg = EngineConfig(max_model_len=min(33 * 1024, cfg.max_position_embeddings), max_num_seqs=64,
-                        max_num_batched_tokens=8192, gpu_memory_utilization=0.92,
+                        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.92,
                         cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
     t0 = time.perf_counter()
     engine = LLMEngine(None, ecfg, dtype="bfloat16", device=torch.device(args.device), load_format="dummy",
