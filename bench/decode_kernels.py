@@ -409,7 +409,7 @@ def bench_hc_batch(results):
 
 
 # (requests, new tokens each, tokens already cached each): two prompt steps from scratch, and chunks after a prefix
-PREFILL_CASES = ((8, 1024, 0), (1, 8192, 0), (4, 1024, 3072))
+PREFILL_CASES = ((8, 1024, 0), (1, 8192, 0), (4, 1024, 3072), (1, 512, 0), (1, 256, 0), (2, 256, 2048))
 # (block_m rows = tokens x 12 heads, block_n, num_warps, num_stages), besides prefill_tile_config's defaults
 PREFILL_TILES = ((64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3))
 

@@ -154,9 +154,10 @@ def prefill_host_part(engine, results: dict, n: int = 8, length: int = 1024) -> 
     engine.async_scheduling = was
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
     results[f"prefill_{n}x{length}_host"] = {"walls_ms": [w * 1e3 for w in walls], "cprofile": text.getvalue()}
     log("prefill walls ms", [round(w * 1e3, 1) for w in walls])
-    log(text.getvalue()[:6000])
+    log(text.getvalue()[:14000])
 
 
 def splits_part(engine, results: dict, rounds: int = 3) -> None:
@@ -360,6 +361,9 @@ def main():
             log("b1", results["decode_b1"])
         elif part == "prefill_host":
             prefill_host_part(engine, results)
+        elif part.startswith("prefill_host"):  # e.g. prefill_host1x128
+            n, length = part[len("prefill_host"):].split("x")
+            prefill_host_part(engine, results, int(n), int(length))
         elif part == "splits":
             splits_part(engine, results)
         elif part == "syncs":

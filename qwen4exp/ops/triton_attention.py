@@ -454,16 +454,15 @@ def _prefill_paged_attn_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def prefill_tile_config(head_dim: int, group: int) -> dict:
-    """Default tiles of `prefill_paged_attention` (not yet measured on a GPU: bench/decode_kernels.py prefill_attn).
-
-    D = 256: a [64, 256] fp32 accumulator is 64 KB of registers and each 32-key K+V tile 32 KB of bf16 shared memory
-    per stage, so 64 rows x 32 keys with 4 warps and 2 stages leaves room for two programs per SM; D <= 128 halves
-    both, so twice the rows and keys fit."""
-    if triton.next_power_of_2(head_dim) <= 128:
-        cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
-    else:
-        cfg = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+def prefill_tile_config(head_dim: int, group: int, elem_bytes: int = 2) -> dict:
+    """Default tiles of `prefill_paged_attention`: the fastest of the sweep `python bench/decode_kernels.py --parts
+    prefill_attn` ran on an H200 (bf16, D = 256, 12 query heads per kv head): 128 rows (10 tokens x 12 heads) x 64
+    keys, 8 warps, 2 stages won at 8 x 1024 new tokens (372 us against 423-841 us for the other tiles), 1 x 8192 and
+    4 x 1024 after 3072 cached. Every stage's K and V tiles sit in shared memory (227 KB per SM), so wider elements
+    (fp32 at D = 256) take half the keys per step."""
+    cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    while triton.next_power_of_2(head_dim) * cfg["block_n"] * elem_bytes * 2 * cfg["num_stages"] > 160 * 1024:
+        cfg["block_n"] //= 2
     cfg["block_m"] = max(cfg["block_m"], triton.next_power_of_2(group))
     return cfg
 
@@ -509,10 +508,11 @@ def prefill_paged_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-    cfg = prefill_tile_config(D, group)
+    cfg = prefill_tile_config(D, group, q.element_size())
     block_m = cfg["block_m"] if block_m is None else block_m
     block_n = cfg["block_n"] if block_n is None else block_n
-    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    if num_warps is None:  # the default's 8 warps are for its 128-row tiles; smaller tiles get 4
+        num_warps = cfg["num_warps"] if block_m >= cfg["block_m"] else 4
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     tile_t = prefill_tile_tokens(block_m, group)
     assert block_m >= 16 and block_n >= 16, "tl.dot needs at least 16 rows and 16 keys"

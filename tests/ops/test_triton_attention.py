@@ -325,13 +325,13 @@ def test_prefill_table_coarser_than_tile_and_unordered():
 
 
 def test_prefill_model_head_layout_strided_q():
-    # Hq=24 over Hkv=2 at D=256 with the default tiles (64 rows: 5 tokens x 12 heads), q a slice of [q | gate]
+    # Hq=24 over Hkv=2 at D=256 with the default tiles (128 rows: 10 tokens x 12 heads), q a slice of [q | gate]
     b = make_batch(16, hkv=2, group=12, D=256, ctx=[52, 0, 30], new=[1, 12, 9], seed=31)
     packed = torch.randn(b["q"].shape[0], 24, 512, device=DEVICE)
     packed[..., :256] = b["q"]
     b["q"] = packed[..., :256]
-    cfg = prefill_tile_config(256, 12)
-    assert prefill_tile_tokens(cfg["block_m"], 12) == 5
+    cfg = prefill_tile_config(256, 12, elem_bytes=4)  # fp32 inputs
+    assert prefill_tile_tokens(cfg["block_m"], 12) == 10
     scale = 256**-0.5
     torch.testing.assert_close(run_prefill(b, scale, cfg["block_m"], block_n=cfg["block_n"]), reference(b, scale),
                                atol=1e-5, rtol=1e-5)
@@ -370,8 +370,9 @@ def test_prefill_dispatch(monkeypatch):
 
     real = triton_attention.prefill_paged_attention
     monkeypatch.setattr(triton_attention, "prefill_paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ref_ops, "PREFILL_KERNEL_MIN_TOKENS", meta.num_tokens + 1)
     default = ref_ops.paged_attention(b["q"], b["key_cache"], b["value_cache"], meta, scale)
-    assert not calls  # off by default
+    assert not calls  # a step below the threshold keeps the per-token kernel
     monkeypatch.setattr(ref_ops, "PREFILL_KERNEL_MIN_TOKENS", 64)
     out = ref_ops.paged_attention(b["q"], b["key_cache"], b["value_cache"], meta, scale)
     assert calls
