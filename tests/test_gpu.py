@@ -12,8 +12,14 @@ from qwen4exp import SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_gpu_fast_paths_and_graphs_match_transformers():
-    hf = hf_model(hf_config(ple_layer_ids=[1, 2], indexer_budget=16, linear_key_head_dim=16,
+@pytest.mark.parametrize("indexer_budget", [16, 256])
+def test_gpu_fast_paths_and_graphs_match_transformers(indexer_budget, monkeypatch):
+    # budget 16: the prompts' steps select blocks (QSA); budget 256: every step is dense, and with the threshold
+    # lowered below the step budget its prefill steps run the flash-style prefill attention kernel
+    from qwen4exp.ops import attention
+
+    monkeypatch.setattr(attention, "PREFILL_KERNEL_MIN_TOKENS", 16)
+    hf = hf_model(hf_config(ple_layer_ids=[1, 2], indexer_budget=indexer_budget, linear_key_head_dim=16,
                             linear_value_head_dim=16, head_dim=32, indexer_head_dim=16,
                             indexer_n_heads=8), seed=7)
     llm = our_llm(hf, device="cuda", max_num_seqs=4, max_num_batched_tokens=64)

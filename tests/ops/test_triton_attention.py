@@ -318,7 +318,7 @@ def test_prefill_table_coarser_than_tile_and_unordered():
     expected = reference(b, scale)
     torch.testing.assert_close(run_prefill(b, scale, 16, tile_tokens=40, block_n=16), expected, atol=1e-5,
                                rtol=1e-5)
-    tiles = build_q_tiles(b["qsl"], b["ctx"], 5).flip(0).contiguous()
+    tiles = build_q_tiles(b["qsl"], b["ctx"], 5).flip(0).contiguous().to(DEVICE)
     out = prefill_paged_attention(b["q"], b["key_cache"], b["value_cache"], b["block_tables"], b["token_pos"],
                                   tiles, scale, block_m=16, block_n=16)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
