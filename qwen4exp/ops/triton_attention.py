@@ -39,6 +39,22 @@ _STEP_SIZED = ["W", "stride_bt", "stride_sel"]
 
 
 @triton.jit
+def _softmax_accumulate(s, m_i, m_safe, l_i, acc, v_head_ptr, page_id, row, stride_vp, stride_vr, offs_d, kv_mask,
+                        DOT_PREC: tl.constexpr):
+    """Online-softmax step shared by the decode and prefill tiles: rescales the running sum and accumulator from the
+    old row max m_i to m_safe (the new max, anchored at 0 for rows that have seen no key) and adds this key tile's
+    p @ V. s holds the tile's scores in the log2 domain. The V addresses are formed here, after the softmax, as the
+    kernels measured on the H200 formed them (formed earlier, they changed the generated code)."""
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head_ptr + page_id[:, None] * stride_vp + row[:, None] * stride_vr + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return l_i, acc
+
+
+@triton.jit
 def _attn_tile(
     q, m_i, l_i, acc, kpos, valid, req_row_ptr, k_head_ptr, v_head_ptr,
     stride_kp, stride_kr, stride_vp, stride_vr, qk_scale, offs_d, d_mask,
@@ -54,12 +70,8 @@ def _attn_tile(
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no key yet keeps m = -inf; anchoring it at 0 avoids (-inf) - (-inf) = nan
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_head_ptr + page_id[:, None] * stride_vp + row[:, None] * stride_vr + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    l_i, acc = _softmax_accumulate(s, m_i, m_safe, l_i, acc, v_head_ptr, page_id, row, stride_vp, stride_vr, offs_d,
+                                   kv_mask, DOT_PREC)
     return m_new, l_i, acc
 
 
@@ -382,12 +394,8 @@ def _flash_tile(
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = m_new
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_head_ptr + page_id[:, None] * stride_vp + row[:, None] * stride_vr + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    l_i, acc = _softmax_accumulate(s, m_i, m_safe, l_i, acc, v_head_ptr, page_id, row, stride_vp, stride_vr, offs_d,
+                                   kv_mask, DOT_PREC)
     return m_new, l_i, acc
 
 
