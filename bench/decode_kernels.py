@@ -18,7 +18,8 @@
             it would take) and the gated RMS norm after it, as the model called it before and as it calls it now.
   conv:     the GDN causal conv (10240 channels): the decode update kernel at batch 1 and 64 over channel tiles and
             warps, and the varlen prefill kernel at 8 x 1024 tokens over token / channel tiles, against torch.
-  hc_batch: the compiled hyper-connection mix and combine at 64 and 8192 tokens (batch-64 decode, 8 x 1k prefill).
+  hc_batch: the hyper-connection combine + mix at 64 and 8192 tokens (batch-64 decode, 8 x 1k prefill), compiled
+            separately against the combine deferred into the mix's Triton norm pass.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
             head_dim 256, page 16): `sparse_paged_attention` (the current path) against the flash-style
             `prefill_paged_attention` at its defaults and a tile sweep, 8 x 1024 and 1 x 8192 new tokens and
@@ -384,8 +385,10 @@ def bench_conv(results):
 
 
 def bench_hc_batch(results):
-    """The compiled hc mix and combine at 64 and 8192 tokens (decode at batch 64, an 8 x 1k prefill step)."""
-    from qwen4exp.ops.hyper_connection import hc_combine
+    """The hyper-connection combine + mix at 64 and 8192 tokens (decode at batch 64, an 8 x 1k prefill step): the
+    compiled combine and compiled mix (before), against `ops.hyper_connection.hc_mix` with the combine deferred into
+    it (the Triton combine + norm pass, then the compiled rest); max |diff| of the block input between the two."""
+    from qwen4exp.ops.hyper_connection import hc_combine, hc_mix
 
     hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -397,13 +400,24 @@ def bench_hc_batch(results):
         streams = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
         block = torch.randn(tokens, hidden, device=dev, generator=g).to(dt)
         inject = torch.rand(tokens, hc, device=dev, generator=g).to(dt)
-        args = (streams, norm_w, w_di, w_up, 1e-6, hc, rank, True)
+        args = (norm_w, w_di, w_up, 1e-6, hc, rank, True)
         calls = 96 if tokens <= 64 else 8
-        row = {"tokens": tokens, "mix_us": per_call_us(lambda: hc_mix_ref(*args), calls=calls),
+
+        def before():
+            return hc_mix_ref(hc_combine(streams, block, inject), *args)
+
+        def deferred():
+            return hc_mix(streams, *args, block, inject)[1:]
+
+        row = {"tokens": tokens, "mix_us": per_call_us(lambda: hc_mix_ref(streams, *args), calls=calls),
                "combine_us": per_call_us(lambda: hc_combine(streams, block, inject), calls=calls),
+               "combine_then_mix_us": per_call_us(before, calls=calls),
+               "deferred_combine_mix_us": per_call_us(deferred, calls=calls),
+               "max_abs_diff": (before()[0].float() - deferred()[0].float()).abs().max().item(),
                "streams_bytes": streams.numel() * 2}
-        print(f"hc T={tokens}: mix {row['mix_us']:.1f} us, combine {row['combine_us']:.1f} us "
-              f"(streams {row['streams_bytes'] / 1e6:.1f} MB)", flush=True)
+        print(f"hc T={tokens}: mix {row['mix_us']:.1f} us, combine {row['combine_us']:.1f} us; combine then mix "
+              f"{row['combine_then_mix_us']:.1f} us, deferred combine + mix {row['deferred_combine_mix_us']:.1f} us, "
+              f"max |diff| {row['max_abs_diff']:.3g} (streams {row['streams_bytes'] / 1e6:.1f} MB)", flush=True)
         rows.append(row)
     results["hc_batch"] = rows
 

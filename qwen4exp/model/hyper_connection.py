@@ -3,7 +3,8 @@
 The residual stream is hc_count copies of the hidden state, [T, hc*H]. Before a block, `mix` normalises each
 stream, weighs it with a low-rank sigmoid gate and averages the streams into the block input [T, H]; it also
 returns the per-stream injection weights 2*sigmoid(.) [T, hc]. `combine` adds the block output to every stream
-with its weight. There is no final RMSNorm: a last `GatedResidual` without injection mixes the streams for lm_head.
+with its weight; the model defers each combine into the next mix, which does both in one pass over the streams.
+There is no final RMSNorm: a last `GatedResidual` without injection mixes the streams for lm_head.
 """
 
 import torch
@@ -25,15 +26,18 @@ class GatedResidual(nn.Module):
         self.input_mix_weight_up = nn.Linear(config.hc_lowrank, width, bias=False)
         self.block_inject_weight = nn.Linear(width, self.hc_count, bias=False) if use_combine else None
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """streams: [T, hc*H] -> (block input [T, H], injection weights [T, hc] or None for the final mixer)."""
+    def forward(self, streams: torch.Tensor, block_out: torch.Tensor | None = None,
+                block_inject: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """streams: [T, hc*H]; block_out, block_inject: the previous block's output and injection weights, combined
+        into the streams first when given (one pass over the streams on the GPU, with the norm).
+        Returns (streams, block input [T, H], injection weights [T, hc] or None for the final mixer)."""
         weights = [self.input_mix_weight_down.weight]
         if self.block_inject_weight is not None:
             weights.append(self.block_inject_weight.weight)
         return ops.hyper_connection.hc_mix(
             streams, self.hc_norm.weight, ops.linear.merged_weight(weights, padded=True),
             self.input_mix_weight_up.weight, self.hc_norm.eps, self.hc_count,
-            self.input_mix_weight_down.weight.shape[0], self.block_inject_weight is not None,
+            self.input_mix_weight_down.weight.shape[0], self.block_inject_weight is not None, block_out, block_inject,
         )
 
 

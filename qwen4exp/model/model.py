@@ -29,19 +29,22 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = GatedResidual(config)
         self.mlp_hyper_connection = GatedResidual(config)
 
-    def forward(self, streams, meta: StepMetadata, cos, sin, cache, ple_state, ple_rows, block_rope) -> torch.Tensor:
+    def forward(self, streams, pending, meta: StepMetadata, cos, sin, cache, ple_state, ple_rows, block_rope):
+        """pending: (the previous layer's MoE output, its injection weights), not yet added to the streams; this
+        layer's first mix adds it. Returns the streams and this layer's pending MoE output."""
         if self.ple is not None:
+            if pending is not None:
+                streams, pending = combine(streams, *pending), None
             streams = streams + self.ple(streams, ple_rows, meta, ple_state)
 
-        x, inject = self.attn_hyper_connection(streams)
+        streams, x, inject = self.attn_hyper_connection(streams, *(pending or ()))
         if self.layer_type == LINEAR:
             y = self.linear_attn(x, meta, cache)
         else:
             y = self.self_attn(x, cos, sin, meta, cache, block_rope)
-        streams = combine(streams, y, inject)
 
-        x, inject = self.mlp_hyper_connection(streams)
-        return combine(streams, self.mlp(x), inject)
+        streams, x, inject = self.mlp_hyper_connection(streams, y, inject)
+        return streams, (self.mlp(x), inject)
 
 
 class TextModel(nn.Module):
@@ -65,10 +68,12 @@ class TextModel(nn.Module):
         # rotation of the QSA blocks completed in this step, shared by every indexed layer
         block_rope = self.rotary_emb(meta.new_block_positions, x.dtype) if c.qsa else None
         streams = x.repeat(1, c.hc_count)
+        pending = None
         for i, layer in enumerate(self.layers):
             rows = prefetch.rows(i) if layer.ple is not None else None
-            streams = layer(streams, meta, cos, sin, cache.layers[i], cache.ple.get(i), rows, block_rope)
-        return self.hyper_connection_mixer(streams)[0]
+            streams, pending = layer(streams, pending, meta, cos, sin, cache.layers[i], cache.ple.get(i), rows,
+                                     block_rope)
+        return self.hyper_connection_mixer(streams, *(pending or ()))[1]
 
 
 def projection_groups(model: "Qwen4ExpForCausalLM") -> list[list[tuple[nn.Module, str]]]:

@@ -1,4 +1,5 @@
-"""Hyper-connection mixing and combining as pure functions (one fused kernel each on GPU via inductor)."""
+"""Hyper-connection mixing and combining as pure functions (compiled by inductor on the GPU, with Triton passes for
+the norm; ops/triton_hc.py)."""
 
 import torch
 import torch.nn.functional as F
@@ -7,16 +8,28 @@ from . import compiled_on_gpu
 from .norm import rms_norm
 
 
-def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool):
-    """Dispatch: on the GPU, two Triton launches for a single token (batch-1 decode), inductor's fusion otherwise."""
+def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
+           block_out=None, block_inject=None):
+    """The pending combine of the previous block's output (when block_out is given), then the mix:
+    returns (streams, block input [T, H], injection weights [T, hc] or None without `inject`).
+
+    GPU dispatch: a single token takes two Triton launches (batch-1 decode); more tokens one Triton pass for the
+    combine and the norm (`triton_hc.hc_prenorm`) and inductor's fusion of the rest."""
     from . import fast_path
 
     if fast_path(streams):
-        from .triton_hc import hc_mix_decode, supported
+        from .triton_hc import hc_mix_decode, hc_prenorm, prenorm_supported, supported
 
         if supported(streams, hc):
-            return hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject)
-    return hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject)
+            if block_out is not None:
+                streams = hc_combine(streams, block_out, block_inject)
+            return (streams, *hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject))
+        if prenorm_supported(streams, hc):
+            streams, normed = hc_prenorm(streams, norm_weight, eps, hc, block_out, block_inject)
+            return (streams, *hc_mix_normed(normed, w_down_inject, w_up, hc, rank, inject))
+    if block_out is not None:
+        streams = hc_combine(streams, block_out, block_inject)
+    return (streams, *hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject))
 
 
 @compiled_on_gpu
@@ -28,8 +41,14 @@ def hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, r
     w_down_inject holds W_down's `rank` rows, then W_inject's hc rows when the block injects (one GEMM for both),
     then possibly padding rows (ignored).
     """
-    hidden = streams.shape[-1] // hc
-    normed = rms_norm.eager(streams, norm_weight, eps, hidden)
+    normed = rms_norm.eager(streams, norm_weight, eps, streams.shape[-1] // hc)
+    return hc_mix_normed.eager(normed, w_down_inject, w_up, hc, rank, inject)
+
+
+@compiled_on_gpu
+def hc_mix_normed(normed, w_down_inject, w_up, hc: int, rank: int, inject: bool):
+    """`hc_mix_ref` after the norm: normed [T, hc*H] (the per-stream RMSNorm of the streams, in their dtype)."""
+    hidden = normed.shape[-1] // hc
     down_inject = F.linear(normed, w_down_inject)
     gate = torch.sigmoid(F.linear(F.silu(down_inject[:, :rank] / hc), w_up))
     mixed = (gate * normed).unflatten(-1, (hc, hidden)).mean(dim=-2)

@@ -1,4 +1,4 @@
-"""Hyper-connection mix of one token in two Triton launches: the batch-1 decode fast path of
+"""Hyper-connection kernels: the mix of one token in two Triton launches (the batch-1 decode fast path of
 `ops.hyper_connection.hc_mix`, whose compiled form is eight kernels (cuBLAS split-K GEMV + its reduction, two
 GEMVs' worth of fused elementwise kernels; ~15 us per call, 96 calls per decode step).
 
@@ -17,6 +17,11 @@ bound (a first version that looped measured 137 us per call).
 
 H200, flash-next widths, inside a CUDA graph: 11.1 us per call against the compiled reference's 14.6 us at one
 token, but slower from two tokens (17.7 vs 14.8 us), so `hc_mix` dispatches here for single tokens only.
+
+From two tokens on, `hc_prenorm` is the mix's first pass instead: the pending combine of the previous block (if any)
+and the per-stream RMSNorm in one launch over the streams, which inductor compiles into three kernels (combine,
+sum of squares, normalise) that read the [T, S*H] streams four times. The GEMMs and gates then run compiled
+(`ops.hyper_connection.hc_mix_normed`).
 """
 
 import torch
@@ -120,6 +125,61 @@ def _hc_up_mix_kernel(
     mixed = tl.sum(gate * normed, axis=0) / S
     tl.store(out_ptr + t[:, None] * stride_o + h[None, :], mixed.to(dtype, fp_downcast_rounding=ROUND),
              mask=t_ok[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def _hc_prenorm_kernel(
+    s_ptr, o_ptr, inj_ptr, nw_ptr, new_ptr, normed_ptr,
+    H, eps,
+    stride_s, stride_o, stride_i, stride_new, stride_n,
+    COMBINE: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    stream = tl.program_id(1)
+    dtype = normed_ptr.dtype.element_ty
+    h = tl.arange(0, BLOCK)
+    m = h < H
+    x = tl.load(s_ptr + t * stride_s + stream * H + h, mask=m, other=0.0).to(tl.float32)
+    if COMBINE:
+        # as the eager combine rounds: the product to the model dtype, then the sum
+        o = tl.load(o_ptr + t * stride_o + h, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(inj_ptr + t * stride_i + stream).to(tl.float32)
+        x = x + (o * w).to(dtype, fp_downcast_rounding=ROUND).to(tl.float32)
+        x = x.to(dtype, fp_downcast_rounding=ROUND)
+        tl.store(new_ptr + t * stride_new + stream * H + h, x, mask=m)
+        x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    nw = tl.load(nw_ptr + stream * H + h, mask=m, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + t * stride_n + stream * H + h, (x * rstd * (1.0 + nw)).to(dtype, fp_downcast_rounding=ROUND),
+             mask=m)
+
+
+def prenorm_supported(streams: torch.Tensor, hc: int) -> bool:
+    """A stream of at most 16384 values fits one program's registers."""
+    return streams.dim() == 2 and streams.stride(1) == 1 and streams.shape[1] % hc == 0 and (
+        streams.shape[1] // hc <= 16384)
+
+
+def hc_prenorm(streams, norm_weight, eps: float, hc: int, block_out=None, inject=None):
+    """(streams + block_out * inject_s on every stream s when block_out is given, else streams; and that tensor's
+    per-stream RMSNorm rms_norm(., norm_weight, eps, group_size=H)), rounded as the eager reference rounds them.
+    streams [T, hc*H]; block_out [T, H]; inject [T, hc]."""
+    T, width = streams.shape
+    H = width // hc
+    combine = block_out is not None
+    new = torch.empty_like(streams) if combine else streams
+    normed = torch.empty_like(streams)
+    if T:
+        block = triton.next_power_of_2(H)
+        _hc_prenorm_kernel[(T, hc)](
+            streams, block_out if combine else streams, inject if combine else streams, norm_weight, new, normed,
+            H, eps,
+            streams.stride(0), block_out.stride(0) if combine else 0, inject.stride(0) if combine else 0,
+            new.stride(0), normed.stride(0),
+            COMBINE=combine, BLOCK=block, ROUND="rtne" if streams.dtype != torch.float32 else None,
+            num_warps=max(1, min(8, block // 512)),
+        )
+    return new, normed
 
 
 def _pow2_divisor(n: int, cap: int) -> int:

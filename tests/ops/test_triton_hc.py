@@ -1,4 +1,5 @@
-"""Decode hyper-connection mix (two split-K Triton launches) against the torch reference, interpreted on CPU."""
+"""Hyper-connection kernels against the torch reference, interpreted on CPU: the decode mix (two split-K Triton
+launches) and the combine + norm pass of larger batches."""
 
 import pytest
 import torch
@@ -7,7 +8,9 @@ pytest.importorskip("triton")
 
 from conftest import on_device
 
-from qwen4exp.ops.hyper_connection import hc_mix_ref
+from qwen4exp.ops import triton_hc
+from qwen4exp.ops.hyper_connection import hc_combine, hc_mix_ref
+from qwen4exp.ops.norm import rms_norm
 from qwen4exp.ops.triton_hc import hc_mix_decode, supported
 
 hc_mix_decode = on_device(hc_mix_decode)
@@ -65,3 +68,51 @@ def test_repeated_calls_rearm_the_arrival_counters():
         torch.testing.assert_close(mixed, ref_mixed, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(inj, ref_inj, rtol=1e-5, atol=1e-5)
     assert all(int(c.count_nonzero()) == 0 for c in _counters.values())
+
+
+hc_prenorm = on_device(triton_hc.hc_prenorm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden,pending", [(1, 64, True), (5, 80, True), (3, 64, False), (2, 100, True)])
+def test_prenorm_matches_combine_then_norm(dtype, tokens, hidden, pending):
+    """The Triton pass of the mix for two tokens and up: the deferred combine and the per-stream RMSNorm, against
+    the eager combine and norm. The combined streams are bitwise the eager combine's (same roundings; Triton's
+    interpreter truncates every conversion to bf16 whatever the rounding mode, so there the reference truncates)."""
+    hc = 4
+    g = torch.Generator().manual_seed(tokens * hidden)
+    streams = (torch.randn(tokens, hc * hidden, generator=g) * 3).to(dtype)
+    norm_w = (torch.randn(hc * hidden, generator=g) * 0.1).to(dtype)
+    block_out = (torch.randn(tokens, hidden, generator=g) * 2).to(dtype) if pending else None
+    inject = (torch.rand(tokens, hc, generator=g) * 2).to(dtype) if pending else None
+
+    new, normed = hc_prenorm(streams, norm_w, 1e-6, hc, block_out, inject)
+    ref_new = hc_combine.eager(streams, block_out, inject) if pending else streams
+    if dtype == torch.bfloat16 and not torch.cuda.is_available() and pending:
+        # the eager combine's two roundings, each a truncation as the interpreter does them
+        def trunc(x):
+            return (x.float().view(torch.int32) & -65536).view(torch.float32)
+
+        prod = trunc(block_out.float()[:, None, :] * inject.float()[:, :, None]).flatten(1)
+        ref_new = trunc(streams.float() + prod).to(dtype)
+    ref_normed = rms_norm.eager(ref_new, norm_w, 1e-6, hidden)
+    assert new.dtype == normed.dtype == dtype and normed.shape == streams.shape
+    assert torch.equal(new, ref_new)
+    if dtype == torch.float32:
+        torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-5)
+    else:  # an ulp where the fp32 sums of squares (reduced in another order), or the interpreter's truncation, differ
+        torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_prenorm_reads_strided_rows():
+    hc, hidden = 4, 32
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(3, hc * hidden + 16, generator=g)
+    streams = wide[:, : hc * hidden]
+    norm_w = torch.randn(hc * hidden, generator=g) * 0.1
+    block_out = torch.randn(3, 2 * hidden, generator=g)[:, hidden:]
+    inject = torch.rand(3, hc + 2, generator=g)[:, :hc]
+    new, normed = hc_prenorm(streams, norm_w, 1e-6, hc, block_out, inject)
+    ref_new = hc_combine.eager(streams, block_out, inject)
+    torch.testing.assert_close(new, ref_new, rtol=0, atol=0)
+    torch.testing.assert_close(normed, rms_norm.eager(ref_new, norm_w, 1e-6, hidden), rtol=1e-5, atol=1e-5)
