@@ -298,6 +298,51 @@ def compiles_part(engine, results: dict) -> None:
     results["compiles"] = out
 
 
+def ab_prenorm_part(engine, results: dict, rounds: int = 2) -> None:
+    """The suite's 64-request run (1024 in, 256 out) and eager 1 x 256 prefill steps, alternating the
+    hyper-connection mix of eager steps with and without the Triton combine + norm pass (without: the compiled
+    combine, then the compiled mix, as before it). Decode graphs are the same in both (captured with the pass)."""
+    from qwen4exp.bench.offline import throughput
+    from qwen4exp.ops import triton_hc
+
+    supported = triton_hc.prenorm_supported
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+
+    def prefill_walls(seed):
+        engine.async_scheduling, was = False, engine.async_scheduling
+        walls = []
+        for rnd in range(4):
+            engine.add_request(f"ab{seed}-{rnd}", {"prompt_token_ids": random_prompts(1, 256, vocab, seed + rnd)[0]},
+                               params)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            walls.append(round((time.perf_counter() - t0) * 1e3, 1))
+            while engine.has_unfinished_requests():
+                engine.step()
+        engine.async_scheduling = was
+        return walls
+
+    out = {"pass": [], "no_pass": []}
+    try:
+        triton_hc.prenorm_supported = lambda *a: False
+        run_requests(engine, random_prompts(64, 1024, vocab, seed=97), 2)  # compiles the separate combine and mix
+        prefill_walls(500)
+        for rnd in range(rounds):
+            for mode in ("pass", "no_pass"):
+                triton_hc.prenorm_supported = supported if mode == "pass" else (lambda *a: False)
+                r = throughput(engine, 64, 1024, 256)
+                row = {"output_tok_s": r["output_throughput"], "duration_s": r["duration_s"],
+                       "max_ttft_ms": r["max_ttft_ms"], "prefill_1x256_walls_ms": prefill_walls(600 + 10 * rnd)}
+                out[mode].append(row)
+                log("ab_prenorm", mode, row)
+    finally:
+        triton_hc.prenorm_supported = supported
+    results["ab_prenorm"] = out
+
+
 def gc_freeze_part(engine, results: dict, rounds: int = 3) -> None:
     """Batch-1 decode (128 in, 128 out) alternating without and with gc.freeze() (vLLM freezes the objects alive
     after startup, so the collector stops scanning them during steps)."""
@@ -372,6 +417,8 @@ def main():
             compiles_part(engine, results)
         elif part == "gc":
             gc_freeze_part(engine, results)
+        elif part == "ab_prenorm":
+            ab_prenorm_part(engine, results)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
