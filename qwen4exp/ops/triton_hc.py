@@ -178,6 +178,8 @@ def hc_prenorm(streams, norm_weight, eps: float, hc: int, block_out=None, inject
             new.stride(0), normed.stride(0),
             COMBINE=combine, BLOCK=block, ROUND="rtne" if streams.dtype != torch.float32 else None,
             num_warps=max(1, min(8, block // 512)),
+            # else the product and the sum become one bf16 FMA (one rounding where the eager combine has two)
+            enable_fp_fusion=False,
         )
     return new, normed
 

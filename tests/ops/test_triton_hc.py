@@ -97,7 +97,7 @@ def test_prenorm_matches_combine_then_norm(dtype, tokens, hidden, pending):
         ref_new = trunc(streams.float() + prod).to(dtype)
     ref_normed = rms_norm.eager(ref_new, norm_w, 1e-6, hidden)
     assert new.dtype == normed.dtype == dtype and normed.shape == streams.shape
-    if dtype == torch.float32:  # the GPU fuses the multiply-add (no rounding of the product)
+    if dtype == torch.float32:
         torch.testing.assert_close(new, ref_new, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-5)
         return
