@@ -20,7 +20,7 @@ token, but slower from two tokens (17.7 vs 14.8 us), so `hc_mix` dispatches here
 
 From two tokens on, `hc_prenorm` is the mix's first pass instead: the pending combine of the previous block (if any)
 and the per-stream RMSNorm in one launch over the streams, which inductor compiles into three kernels (combine,
-sum of squares, normalise) that read the [T, S*H] streams four times. The GEMMs and gates then run compiled
+sum of squares, normalise), each reading the [T, S*H] streams. The GEMMs and gates then run compiled
 (`ops.hyper_connection.hc_mix_normed`).
 """
 
