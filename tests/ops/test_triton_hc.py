@@ -8,10 +8,9 @@ pytest.importorskip("triton")
 
 from conftest import on_device
 
-from qwen4exp.ops import triton_hc
 from qwen4exp.ops.hyper_connection import hc_combine, hc_mix_ref
 from qwen4exp.ops.norm import rms_norm
-from qwen4exp.ops.triton_hc import hc_mix_decode, supported
+from qwen4exp.ops.triton_hc import hc_mix_decode, hc_prenorm, supported
 
 hc_mix_decode = on_device(hc_mix_decode)
 
@@ -70,7 +69,7 @@ def test_repeated_calls_rearm_the_arrival_counters():
     assert all(int(c.count_nonzero()) == 0 for c in _counters.values())
 
 
-hc_prenorm = on_device(triton_hc.hc_prenorm)
+hc_prenorm = on_device(hc_prenorm)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
