@@ -1,7 +1,7 @@
 """Where a step's time goes on the GPU: CUDA-graph decode at batch 1 and 64, eager prefill of one 8k prompt, and the
 prefill / decode split of the 64-request throughput run.
 
-    python bench/step_profile.py --out OUT_DIR [--parts decode,prefill,phases]
+    python bench/step_profile.py --out OUT_DIR [--parts decode,prefill,phases,host_modules,...]
 
 Writes OUT_DIR/step_profile.json and, per decode batch, OUT_DIR/decode_b{B}_kernels.txt: every kernel of one step in
 order with its duration and the idle gap before it. Kernel times come from the torch profiler (CUPTI sees the
@@ -363,6 +363,167 @@ def gc_freeze_part(engine, results: dict, rounds: int = 3) -> None:
     log("gc.freeze", tpot)
 
 
+def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
+    """Where an eager step's host time goes: a 1 x 256 prefill step, and a mixed step of 63 decodes + one 218-token
+    prompt (the shape of the 64-request run's last prefill step). Synchronous scheduling; host time per decoder
+    block (forward hooks) and per op (wrappers around the `ops` functions the model calls), inclusive, measured with
+    perf_counter and no syncs inside the forward, so it is launch and Python time. Then the CPU-side launch calls
+    under the torch profiler, and launch microbenchmarks (empty Triton kernel, torch add, a compiled function)."""
+    from qwen4exp import ops
+
+    model = engine.runner.model
+    cuda = engine.runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    vocab = engine.model_config.vocab_size
+    block_t = collections.defaultdict(float)
+    op_t = collections.defaultdict(float)
+    op_n = collections.Counter()
+    recording = [False]
+
+    def hooks(mod):
+        name = type(mod).__name__
+        start = {}
+        mod.register_forward_pre_hook(lambda m, a: start.__setitem__("t", time.perf_counter()))
+
+        def post(m, a, out):
+            if recording[0]:
+                block_t[name] += time.perf_counter() - start["t"]
+        mod.register_forward_hook(post)
+
+    wanted = ("GatedDeltaNet", "Attention", "SparseMoeBlock", "GatedResidual", "PLELayer", "DecoderLayer")
+    for m in model.modules():
+        if type(m).__name__ in wanted:
+            hooks(m)
+    patched = []
+    for modname in ("linear", "conv", "gated_delta", "hyper_connection", "moe", "attention", "norm", "rotary",
+                    "ngram"):
+        mod = getattr(ops, modname)
+        for fname in dir(mod):
+            fn = getattr(mod, fname)
+            if fname.startswith("_") or not callable(fn) or isinstance(fn, type) or \
+                    getattr(fn, "__module__", None) != mod.__name__:
+                continue
+
+            def wrap(fn=fn, key=f"{modname}.{fname}"):
+                def timed(*a, **k):
+                    if not recording[0]:
+                        return fn(*a, **k)
+                    t0 = time.perf_counter()
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        op_t[key] += time.perf_counter() - t0
+                        op_n[key] += 1
+                timed.eager = getattr(fn, "eager", fn)
+                return timed
+            patched.append((mod, fname, fn))
+            setattr(mod, fname, wrap())
+    forward = model.forward
+    fwd_t = []
+
+    def timed_forward(*a, **k):
+        t0 = time.perf_counter()
+        out = forward(*a, **k)
+        if recording[0]:
+            fwd_t.append(time.perf_counter() - t0)
+        return out
+    model.forward = timed_forward
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    engine.async_scheduling, was = False, engine.async_scheduling
+    out = {}
+
+    def one_step(tag, rnd, prof=None):
+        sync()
+        recording[0] = rnd > 0
+        t0 = time.perf_counter()
+        if prof is not None:
+            with prof:
+                engine.step()
+                sync()
+        else:
+            engine.step()
+            sync()
+        wall = time.perf_counter() - t0
+        recording[0] = False
+        out.setdefault(tag, {"walls_ms": [], "forward_host_ms": []})
+        out[tag]["walls_ms"].append(round(wall * 1e3, 1))
+        if rnd > 0:
+            out[tag]["forward_host_ms"].append(round(fwd_t[-1] * 1e3, 1))
+
+    try:
+        for tag in ("prefill_1x256", "mixed_63d_218p"):
+            block_t.clear(), op_t.clear(), op_n.clear()
+            for rnd in range(rounds + 1):  # round 0 unrecorded
+                if tag == "prefill_1x256":
+                    engine.add_request(f"hm{rnd}", {"prompt_token_ids": random_prompts(1, 256, vocab, 70 + rnd)[0]},
+                                       params)
+                else:
+                    for i, p in enumerate(random_prompts(63, 8, vocab, seed=80 + rnd)):
+                        engine.add_request(f"hd{rnd}-{i}", {"prompt_token_ids": p},
+                                           SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False))
+                    for _ in range(3):
+                        engine.step()
+                    engine.add_request(f"hp{rnd}", {"prompt_token_ids": random_prompts(1, 218, vocab, 90 + rnd)[0]},
+                                       params)
+                one_step(tag, rnd)
+                while engine.has_unfinished_requests():
+                    engine.step()
+            out[tag]["blocks_ms_per_step"] = {k: round(v * 1e3 / rounds, 2) for k, v in
+                                              sorted(block_t.items(), key=lambda kv: -kv[1])}
+            out[tag]["ops_ms_per_step"] = {k: (round(v * 1e3 / rounds, 2), op_n[k] // rounds) for k, v in
+                                           sorted(op_t.items(), key=lambda kv: -kv[1])}
+            log("host_modules", tag, out[tag])
+        # launch calls as the CUDA runtime / driver sees them, one 1 x 256 step
+        from torch.profiler import ProfilerActivity, profile
+        engine.add_request("hmprof", {"prompt_token_ids": random_prompts(1, 256, vocab, 99)[0]}, params)
+        prof = profile(activities=[ProfilerActivity.CPU])
+        one_step("profiled_1x256", 0, prof)
+        while engine.has_unfinished_requests():
+            engine.step()
+        launches = {}
+        for e in prof.key_averages():
+            if "Launch" in e.key or "launch" in e.key:
+                launches[e.key] = (e.count, round(e.self_cpu_time_total / 1e3, 2))
+        out["launch_calls_1x256"] = launches
+        log("launch calls (count, self ms)", launches)
+    finally:
+        engine.async_scheduling = was
+        model.forward = forward
+        for mod, fname, fn in patched:
+            setattr(mod, fname, fn)
+
+    results["host_modules"] = out
+    if not cuda:
+        return
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    x = torch.zeros(1024, device="cuda")
+    fn = ops.norm.rms_norm
+    w = torch.ones(1024, device="cuda")
+    micro = {}
+    for name, call in (("triton_empty", lambda: _empty[(1,)](x, 1024, BLOCK=1024)),
+                       ("torch_add", lambda: x.add_(1.0)),
+                       ("compiled_rms_norm", lambda: fn(x[None], w, 1e-6))):
+        for _ in range(50):
+            call()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            call()
+        micro[name + "_us"] = round((time.perf_counter() - t0) / 2000 * 1e6, 2)
+        sync()
+    out["launch_micro"] = micro
+    log("launch micro", micro)
+    results["host_modules"] = out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -417,6 +578,8 @@ def main():
             compiles_part(engine, results)
         elif part == "gc":
             gc_freeze_part(engine, results)
+        elif part == "host_modules":
+            host_modules_part(engine, results)
         elif part == "ab_prenorm":
             ab_prenorm_part(engine, results)
         with open(path, "w") as f:
