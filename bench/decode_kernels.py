@@ -1,6 +1,6 @@
 """Decode-size fast kernels at flash-next widths (bf16, H200): per-call time inside a CUDA graph, with tile sweeps.
 
-    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route,gemv,gdn,conv,hc_batch]
+    python bench/decode_kernels.py [--out OUT_DIR] [--parts hc,moe,align,route,gemv,gdn,conv,hc_batch,...]
 
   hc mix:   `ops.triton_hc.hc_mix_decode` against the inductor-compiled reference (4 streams x 2560, low rank 320),
             T = 1, 2, 4; tiles swept at T = 1.
@@ -20,6 +20,10 @@
             warps, and the varlen prefill kernel at 8 x 1024 tokens over token / channel tiles, against torch.
   hc_batch: the hyper-connection combine + mix at 64 and 8192 tokens (batch-64 decode, 8 x 1k prefill), compiled
             separately against the combine deferred into the mix's Triton norm pass.
+  gemm_layouts (not in the default parts): the dense projections at 64 tokens (batch-64 decode) and 8192 (prefill)
+            through cuBLAS with the weight as stored ([out, in], F.linear's "TN" GEMM) against a transposed copy
+            ([in, out], torch.mm's "NN"), and the hyper-connection down projection with its rows padded from 328 to
+            384; per decode step, the microseconds a layout would save (calls per step x difference).
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
             head_dim 256, page 16): `sparse_paged_attention` (the current path) against the flash-style
             `prefill_paged_attention` at its defaults and a tile sweep, 8 x 1024 and 1 x 8192 new tokens and
@@ -503,6 +507,55 @@ def bench_prefill_attn(results, cases=PREFILL_CASES, tiles=PREFILL_TILES, widths
     results["prefill_attn"] = out_rows
 
 
+# (name, out, in, calls per decode step) of the dense projections cuBLAS runs at batch 64 and in prefill
+LAYOUT_SHAPES = (("out_proj", 2560, 6144, 48), ("moe_router_shared", 1416, 2560, 48), ("gdn_in_proj", 16480, 2560, 36),
+                 ("attn_qkv_index", 13952, 2560, 12), ("shared_down", 2560, 640, 48), ("hc_down", 328, 10240, 96),
+                 ("hc_up", 10240, 320, 96))
+
+
+def bench_gemm_layouts(results, shapes=LAYOUT_SHAPES, token_counts=(64, 8192), dev="cuda"):
+    dt = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for name, n, k, calls in shapes:
+        nbytes = n * k * 2
+        copies = min(max(calls, 4), -(-(256 << 20) // nbytes))  # each call reads a weight no longer in L2
+        weights = [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+        transposed = [w.t().contiguous() for w in weights]
+        variants = {"TN": lambda x, i: torch.nn.functional.linear(x, weights[i]),
+                    "NN": lambda x, i: torch.mm(x, transposed[i])}
+        if name == "hc_down":
+            padded = [torch.cat([w, w.new_zeros(384 - n, k)]) for w in weights]
+            variants["TN_rows_384"] = lambda x, i: torch.nn.functional.linear(x, padded[i])
+        for tokens in token_counts:
+            x = torch.randn(tokens, k, device=dev, generator=g).to(dt)
+            row = dict(name=name, n=n, k=k, calls=calls, tokens=tokens)
+            ref = torch.nn.functional.linear(x, weights[0]).float()
+            for label, fn in variants.items():
+                state = {"i": 0}
+
+                def call(fn=fn):
+                    fn(x, state["i"] % copies)
+                    state["i"] += 1
+                us = per_call_us(call, calls=max(calls, 4) if tokens <= 64 else 8)
+                row[label + "_us"] = us
+                row[label + "_max_diff"] = (fn(x, 0)[:, :n].float() - ref).abs().max().item()
+            row["nn_saves_us_per_step"] = calls * (row["TN_us"] - row["NN_us"])
+            rows.append(row)
+            rate = (f"{nbytes / row['TN_us'] / 1e3:5.0f} GB/s" if tokens <= 64
+                    else f"{2 * tokens * n * k / row['TN_us'] / 1e6:5.0f} TFLOPS")
+            extra = {key: round(v, 2) for key, v in row.items() if key.endswith("_us") and key != "TN_us"}
+            print(f"gemm_layouts {name} [{n}, {k}] T={tokens}: TN {row['TN_us']:7.2f} us ({rate}), {extra}, "
+                  f"NN saves {row['nn_saves_us_per_step']:.0f} us per step", flush=True)
+        weights.clear(), transposed.clear()
+        torch.cuda.empty_cache()
+    for tokens in token_counts:
+        total = sum(r["nn_saves_us_per_step"] for r in rows if r["tokens"] == tokens)
+        print(f"gemm_layouts: NN instead of TN at every shape saves {total:.0f} us per step of {tokens} tokens",
+              flush=True)
+    results["gemm_layouts"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -511,7 +564,7 @@ def main():
     results = {"device": torch.cuda.get_device_name()}
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
-             "prefill_attn": bench_prefill_attn}
+             "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:
