@@ -363,6 +363,21 @@ def gc_freeze_part(engine, results: dict, rounds: int = 3) -> None:
     log("gc.freeze", tpot)
 
 
+def add_small_step(engine, tag: str, seed: int) -> None:
+    """Queues what makes the next engine step one of two small eager shapes: "prefill_1x256" (one 256-token prompt)
+    or "mixed_63d_218p" (63 running decodes + one 218-token prompt: the 64-request run's last prefill step)."""
+    vocab = engine.model_config.vocab_size
+    if tag == "mixed_63d_218p":
+        for i, p in enumerate(random_prompts(63, 8, vocab, seed=seed)):
+            engine.add_request(f"{tag}-{seed}-{i}", {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False))
+        for _ in range(3):
+            engine.step()
+    n = 218 if tag == "mixed_63d_218p" else 256
+    engine.add_request(f"{tag}-{seed}", {"prompt_token_ids": random_prompts(1, n, vocab, seed)[0]},
+                       SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+
+
 def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
     """Where an eager step's host time goes: a 1 x 256 prefill step, and a mixed step of 63 decodes + one 218-token
     prompt (the shape of the 64-request run's last prefill step). Synchronous scheduling; host time per decoder
@@ -374,21 +389,22 @@ def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
     model = engine.runner.model
     cuda = engine.runner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    vocab = engine.model_config.vocab_size
     block_t = collections.defaultdict(float)
     op_t = collections.defaultdict(float)
     op_n = collections.Counter()
     recording = [False]
 
+    handles = []
+
     def hooks(mod):
         name = type(mod).__name__
         start = {}
-        mod.register_forward_pre_hook(lambda m, a: start.__setitem__("t", time.perf_counter()))
+        handles.append(mod.register_forward_pre_hook(lambda m, a: start.__setitem__("t", time.perf_counter())))
 
         def post(m, a, out):
             if recording[0]:
                 block_t[name] += time.perf_counter() - start["t"]
-        mod.register_forward_hook(post)
+        handles.append(mod.register_forward_hook(post))
 
     wanted = ("GatedDeltaNet", "Attention", "SparseMoeBlock", "GatedResidual", "PLELayer", "DecoderLayer")
     for m in model.modules():
@@ -428,7 +444,6 @@ def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
             fwd_t.append(time.perf_counter() - t0)
         return out
     model.forward = timed_forward
-    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
     engine.async_scheduling, was = False, engine.async_scheduling
     out = {}
 
@@ -454,17 +469,7 @@ def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
         for tag in ("prefill_1x256", "mixed_63d_218p"):
             block_t.clear(), op_t.clear(), op_n.clear()
             for rnd in range(rounds + 1):  # round 0 unrecorded
-                if tag == "prefill_1x256":
-                    engine.add_request(f"hm{rnd}", {"prompt_token_ids": random_prompts(1, 256, vocab, 70 + rnd)[0]},
-                                       params)
-                else:
-                    for i, p in enumerate(random_prompts(63, 8, vocab, seed=80 + rnd)):
-                        engine.add_request(f"hd{rnd}-{i}", {"prompt_token_ids": p},
-                                           SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False))
-                    for _ in range(3):
-                        engine.step()
-                    engine.add_request(f"hp{rnd}", {"prompt_token_ids": random_prompts(1, 218, vocab, 90 + rnd)[0]},
-                                       params)
+                add_small_step(engine, tag, 70 + rnd)
                 one_step(tag, rnd)
                 while engine.has_unfinished_requests():
                     engine.step()
@@ -475,7 +480,7 @@ def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
             log("host_modules", tag, out[tag])
         # launch calls as the CUDA runtime / driver sees them, one 1 x 256 step
         from torch.profiler import ProfilerActivity, profile
-        engine.add_request("hmprof", {"prompt_token_ids": random_prompts(1, 256, vocab, 99)[0]}, params)
+        add_small_step(engine, "prefill_1x256", 99)
         prof = profile(activities=[ProfilerActivity.CPU])
         one_step("profiled_1x256", 0, prof)
         while engine.has_unfinished_requests():
@@ -489,6 +494,8 @@ def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
     finally:
         engine.async_scheduling = was
         model.forward = forward
+        for h in handles:
+            h.remove()
         for mod, fname, fn in patched:
             setattr(mod, fname, fn)
 
