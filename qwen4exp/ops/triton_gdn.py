@@ -1,6 +1,8 @@
 """Decode-time gated delta rule: one fused Triton kernel over a padded batch, CUDA-graph capturable.
 
-Each of B requests brings L consecutive tokens (L = 1 for decode, L > 1 for speculative verification):
+Each of B requests brings L consecutive tokens (L = 1 for decode, L > 1 for speculative verification), or, with
+`query_start_loc`, its own range of the flat batch (any length, none included: the mixed steps of CUDA graphs, where
+the token loop replaces the chunked prefill form; its cost grows with the longest request's tokens):
 q, k [B*L, Hk, Dk] and v [B*L, Hv, Dv] (bf16/fp16/fp32), g [B*L, Hv] fp32 log-decay, beta [B*L, Hv]. Per value
 head h (query/key head h // (Hv // Hk)), with fp32 state S [Dk, Dv] taken from ssm_state[state_slots[b]] (zeros
 where has_initial_state[b] is False), q and k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5, each token does
@@ -42,15 +44,54 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def _token_step(
+    state, tok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt,
+    stride_ot, q_off, k_off, v_off, g_off, b_off, o_off, offs_k, offs_v, scale, neg_decay_rate, dt_bias,
+    RAW_GATES: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """One token of one (request, value head, value tile): stores its output, returns the updated state."""
+    q = tl.load(q_ptr + tok * stride_qt + q_off + offs_k).to(tl.float32)
+    k = tl.load(k_ptr + tok * stride_kt + k_off + offs_k).to(tl.float32)
+    v = tl.load(v_ptr + tok * stride_vt + v_off + offs_v).to(tl.float32)
+    g = tl.load(g_ptr + tok * stride_gt + g_off).to(tl.float32)
+    beta = tl.load(beta_ptr + tok * stride_bt + b_off).to(tl.float32)
+    if RAW_GATES:  # g, beta hold the projections a, b
+        x = g + dt_bias
+        # torch's softplus (threshold 20); the clamp only keeps exp finite in the branch the where drops
+        y = tl.exp(tl.minimum(x, 20.0))
+        if INTERPRETED:  # no extern libdevice calls there: log1p from log, accurate to a few ulp (Goldberg)
+            u = 1.0 + y
+            log1p_y = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+        else:  # what inductor emits for the compiled gdn_gates
+            log1p_y = libdevice.log1p(y)
+        g = neg_decay_rate * tl.where(x > 20.0, x, log1p_y)
+        beta = tl.sigmoid(beta)
+        if beta_ptr.dtype.element_ty == tl.bfloat16:
+            beta = _round_to_bf16(beta)
+        else:
+            beta = beta.to(beta_ptr.dtype.element_ty).to(tl.float32)
+    # Every value tile needs the full norms, so each program normalises its own copy of q and k.
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+    state = state * tl.exp(g)
+    u = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    state = state + k[:, None] * u[None, :]
+    o = tl.sum(state * q[:, None], axis=0)
+    tl.store(out_ptr + tok * stride_ot + o_off + offs_v, o.to(out_ptr.dtype.element_ty))
+    return state
+
+
+@triton.jit
 def _fused_recurrent_gdn_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, slots_ptr, has_init_ptr,
-    inter_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    inter_ptr, qsl_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk, stride_sv,
     stride_ib, stride_il, stride_ih, stride_ik, stride_iv,
     scale,
     L: tl.constexpr, HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, STORE_INTER: tl.constexpr,
-    RAW_GATES: tl.constexpr, INTERPRETED: tl.constexpr,
+    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -64,45 +105,28 @@ def _fused_recurrent_gdn_kernel(
     # The mask is built at full shape (not scalar & tile): a fresh request's slot may hold NaNs, which must not be read.
     init_mask = (tl.zeros([DK, BV], dtype=tl.int32) + has_init) != 0
     state = tl.load(s_ptrs, mask=init_mask, other=0.0).to(tl.float32)
+    neg_decay_rate = 0.0
+    dt_bias = 0.0
     if RAW_GATES:
         neg_decay_rate = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    q_off, k_off, v_off = hk * stride_qh, hk * stride_kh, h * stride_vh
+    g_off, b_off, o_off = h * stride_gh, h * stride_bh, h * stride_oh
 
-    for t in range(L):
-        tok = b * L + t
-        q = tl.load(q_ptr + tok * stride_qt + hk * stride_qh + offs_k).to(tl.float32)
-        k = tl.load(k_ptr + tok * stride_kt + hk * stride_kh + offs_k).to(tl.float32)
-        v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + offs_v).to(tl.float32)
-        g = tl.load(g_ptr + tok * stride_gt + h * stride_gh).to(tl.float32)
-        beta = tl.load(beta_ptr + tok * stride_bt + h * stride_bh).to(tl.float32)
-        if RAW_GATES:  # g, beta hold the projections a, b
-            x = g + dt_bias
-            # torch's softplus (threshold 20); the clamp only keeps exp finite in the branch the where drops
-            y = tl.exp(tl.minimum(x, 20.0))
-            if INTERPRETED:  # no extern libdevice calls there: log1p from log, accurate to a few ulp (Goldberg)
-                u = 1.0 + y
-                log1p_y = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
-            else:  # what inductor emits for the compiled gdn_gates
-                log1p_y = libdevice.log1p(y)
-            g = neg_decay_rate * tl.where(x > 20.0, x, log1p_y)
-            beta = tl.sigmoid(beta)
-            if beta_ptr.dtype.element_ty == tl.bfloat16:
-                beta = _round_to_bf16(beta)
-            else:
-                beta = beta.to(beta_ptr.dtype.element_ty).to(tl.float32)
-        # Every value tile needs the full norms, so each program normalises its own copy of q and k.
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-
-        state = state * tl.exp(g)
-        u = (v - tl.sum(state * k[:, None], axis=0)) * beta
-        state = state + k[:, None] * u[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
-        tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty))
-        if STORE_INTER:
-            i_ptrs = (inter_ptr + b * stride_ib + t * stride_il + h * stride_ih
-                      + offs_k[:, None] * stride_ik + offs_v[None, :] * stride_iv)
-            tl.store(i_ptrs, state)
+    if VARLEN:  # request b owns tokens query_start_loc[b] : query_start_loc[b + 1] (possibly none)
+        for tok in range(tl.load(qsl_ptr + b).to(tl.int64), tl.load(qsl_ptr + b + 1).to(tl.int64)):
+            state = _token_step(state, tok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt,
+                                stride_vt, stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off, b_off, o_off,
+                                offs_k, offs_v, scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
+    else:
+        for t in range(L):
+            state = _token_step(state, b * L + t, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt,
+                                stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off,
+                                b_off, o_off, offs_k, offs_v, scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
+            if STORE_INTER:
+                i_ptrs = (inter_ptr + b * stride_ib + t * stride_il + h * stride_ih
+                          + offs_k[:, None] * stride_ik + offs_v[None, :] * stride_iv)
+                tl.store(i_ptrs, state)
 
     tl.store(s_ptrs, state)
 
@@ -120,11 +144,16 @@ def _block_v(num_heads_total: int, dv: int) -> int:
     return bv
 
 
-def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_state, L, intermediate_states, block_v):
+def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_state, L, intermediate_states, block_v,
+            query_start_loc=None):
     total, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     B = state_slots.shape[0]
-    assert total == B * L and k.shape == q.shape and v.shape[0] == total, "q/k/v must hold B*L tokens"
+    if query_start_loc is None:
+        assert total == B * L and k.shape == q.shape and v.shape[0] == total, "q/k/v must hold B*L tokens"
+    else:
+        assert query_start_loc.shape == (B + 1,) and k.shape == q.shape and v.shape[0] == total
+        assert intermediate_states is None, "intermediate states need L tokens per request"
     assert hv % hk == 0 and _is_pow2(dk) and _is_pow2(dv), "grouped heads; Dk and Dv powers of two"
     assert g.shape == (total, hv) and beta.shape == (total, hv)
     assert ssm_state.dtype == torch.float32 and ssm_state.shape[1:] == (hv, dk, dv)
@@ -138,22 +167,23 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
     assert _is_pow2(bv) and bv <= dv
 
     out = torch.empty((total, hv, dv), dtype=v.dtype, device=v.device)
-    if total == 0:
+    if B == 0 or (total == 0 and query_start_loc is None):
         return out
     # A bool tensor reinterpreted as bytes costs nothing and keeps the kernel's pointer type simple.
     has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     inter = intermediate_states if intermediate_states is not None else ssm_state  # never written when absent
     inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
     a_log, dt_bias = gate_params if gate_params is not None else (g, g)  # never read without RAW_GATES
+    qsl = query_start_loc if query_start_loc is not None else state_slots  # never read without VARLEN
     _fused_recurrent_gdn_kernel[(B, hv, dv // bv)](
-        q, k, v, g, beta, a_log, dt_bias, out, ssm_state, state_slots, has_init, inter,
+        q, k, v, g, beta, a_log, dt_bias, out, ssm_state, state_slots, has_init, inter, qsl,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         *ssm_state.stride(),
         *inter_strides,
         dk ** -0.5,
         L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
-        RAW_GATES=gate_params is not None, INTERPRETED=_INTERPRETED,
+        RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, INTERPRETED=_INTERPRETED,
         num_warps=max(1, min(4, dk * bv // 1024)),
     )
     return out
@@ -171,10 +201,12 @@ def fused_recurrent_gated_delta_rule(
     num_tokens_per_req: int = 1,
     intermediate_states: torch.Tensor | None = None,
     block_v: int | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See the module docstring. block_v overrides the value-tile width (a power of two dividing Dv)."""
+    """See the module docstring. block_v overrides the value-tile width (a power of two dividing Dv);
+    query_start_loc (int32 [B + 1], device) gives each request its own token range instead of L tokens each."""
     return _launch(q, k, v, g, beta, None, ssm_state, state_slots, has_initial_state, num_tokens_per_req,
-                   intermediate_states, block_v)
+                   intermediate_states, block_v, query_start_loc)
 
 
 def fused_recurrent_gated_delta_rule_raw(
@@ -191,11 +223,12 @@ def fused_recurrent_gated_delta_rule_raw(
     num_tokens_per_req: int = 1,
     intermediate_states: torch.Tensor | None = None,
     block_v: int | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fused_recurrent_gated_delta_rule(q, k, v, g, beta, ...) with (beta, g) = gdn_gates(b, a, A_log, dt_bias)
     computed inside the kernel: the gate kernels' launches disappear from the decode step."""
     return _launch(q, k, v, a, b, (A_log, dt_bias), ssm_state, state_slots, has_initial_state, num_tokens_per_req,
-                   intermediate_states, block_v)
+                   intermediate_states, block_v, query_start_loc)
 
 
 def fused_recurrent_gated_delta_rule_ref(

@@ -222,3 +222,67 @@ def test_raw_gates_test_detects_wrong_gate_math(dtype):
         pytest.fail(f"{name}: not detected")
     _assert_matches(out, fast_state, fast_inter, *_raw_reference(q, k, v, beta, g, state, slots, has_init, L),
                     slots, real, L, dtype)
+
+
+def _varlen_case(lengths, hk, hv, dk, dv, dtype, seed=0):
+    """Requests of the given token counts on shuffled slots; request 1 is fresh with a NaN slot, the last one is
+    padding on the null slot 0."""
+    slots = torch.tensor([6, 3, 8, 1, 5, 0][: len(lengths) - 1] + [0], dtype=torch.int64)
+    has_init = torch.tensor([i != 1 and i != len(lengths) - 1 for i in range(len(lengths))])
+    q, k, v, g, beta, state = _inputs(1, sum(lengths), hk, hv, dk, dv, dtype, seed)
+    state[slots[1]] = float("nan")
+    qsl = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    return q, k, v, g, beta, state, slots, has_init, qsl
+
+
+@pytest.mark.parametrize(
+    "lengths,hk,hv,dk,dv,dtype,raw",
+    [
+        ([3, 2, 1, 5, 2], 1, 2, 16, 16, torch.float32, False),
+        ([4, 1, 0, 7, 1, 3], 2, 4, 16, 32, torch.float32, True),
+        ([1, 6, 2, 0, 4], 1, 3, 16, 16, torch.bfloat16, True),
+        ([2, 2, 9], 1, 2, 32, 16, torch.bfloat16, False),
+    ],
+)
+def test_varlen_matches_reference_per_request(lengths, hk, hv, dk, dv, dtype, raw):
+    """query_start_loc: every request runs its own tokens (none for a zero-length one, whose state stays as it was)
+    from its own slot; the outputs and final states equal the token-by-token reference run request by request."""
+    q, k, v, g, beta, state, slots, has_init, qsl = _varlen_case(lengths, hk, hv, dk, dv, dtype)
+    fast_state = state.clone()
+    if raw:
+        b, a, A_log, dt_bias = _raw_gate_inputs(q.shape[0], hv, dtype, torch.Generator().manual_seed(7))
+        out = fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, fast_state, slots, has_init,
+                                                   query_start_loc=qsl)
+        beta, g = gdn_gates(b, a, A_log, dt_bias)
+    else:
+        out = fused_recurrent_gated_delta_rule(q, k, v, g, beta, fast_state, slots, has_init, query_start_loc=qsl)
+    assert out.shape == v.shape and out.dtype == v.dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for r in range(len(lengths) - 1):  # the last request is padding on the null slot
+        s, e = int(qsl[r]), int(qsl[r + 1])
+        start = state[slots[r]] if has_init[r] else torch.zeros_like(state[0])
+        ref_slots = start[None].clone()  # one slot: slot 0
+        if e > s:
+            ref = fused_recurrent_gated_delta_rule_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ref_slots,
+                                                       torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool),
+                                                       e - s)
+            torch.testing.assert_close(out[s:e].float(), ref.float(), **tol)
+        torch.testing.assert_close(fast_state[slots[r]], ref_slots[0], rtol=1e-5, atol=1e-6)
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(fast_state[untouched], state[untouched])
+
+
+def test_varlen_equals_uniform_tokens_per_request():
+    """With every request bringing L tokens, the varlen launch computes exactly what the L-token launch does."""
+    L, hk, hv, dk, dv = 3, 1, 2, 16, 16
+    slots, has_init, _ = _batch()
+    B = slots.numel()
+    q, k, v, g, beta, state = _inputs(B, L, hk, hv, dk, dv, torch.bfloat16, seed=5)
+    state[slots[1]] = float("nan")
+    uniform_state, varlen_state = state.clone(), state.clone()
+    uniform = fused_recurrent_gated_delta_rule(q, k, v, g, beta, uniform_state, slots, has_init, L)
+    qsl = torch.arange(B + 1, dtype=torch.int32) * L
+    varlen = fused_recurrent_gated_delta_rule(q, k, v, g, beta, varlen_state, slots, has_init, query_start_loc=qsl)
+    assert torch.equal(uniform, varlen)
+    assert torch.equal(uniform_state.nan_to_num(), varlen_state.nan_to_num())
