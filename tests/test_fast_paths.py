@@ -15,9 +15,12 @@ pytest.importorskip("triton")
 class EagerBufferRunner(CUDAGraphRunner):
     """The graph runner's buffer filling and padding, executed eagerly (no capture: CPU)."""
 
-    def _run(self, bucket, max_len):
-        self.variants_used.add(max_len)
-        return self.model.compute_logits(self.model(self._meta(bucket, max_len), self.cache.tensors))
+    def _run(self, key):
+        self.variants_used.add(key[-1])
+        if key[0] != "mixed":
+            return self.model.compute_logits(self.model(self._meta(*key), self.cache.tensors))
+        meta = self._mixed_meta(*key[1:])  # what the graph captured, host lists included
+        return self.model.compute_logits(self.model(meta, self.cache.tensors)[meta.logits_indices])
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,47 @@ def test_fast_dispatch_and_graph_buffers_match_reference(model_pair, monkeypatch
     assert llm.llm_engine.cache.all_free()
 
 
+def test_mixed_step_graph_buffers_match_reference(model_pair, monkeypatch):
+    """Steps mixing prefill chunks with decodes through the mixed-graph layout (the step's requests, empty rows, a
+    padding request owning the bucket's unused tokens; every op on its in-graph path: GDN's recurrent kernel over
+    each request's tokens, per-token attention), run on the metadata the graph was captured with (host lists of
+    the capture, not of the step), give the reference's tokens and logprobs, and leak no cache."""
+    from qwen4exp.engine import cuda_graph
+
+    hf = model_pair
+    gen = torch.Generator().manual_seed(8)
+    prompts = [random_prompt(gen, n, hf.config.vocab_size, eos_every=5) for n in (3, 11, 23, 6, 2)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=0) for m in (9, 6, 7, 8, 5)]
+    alone = [random_prompt(gen, 5, hf.config.vocab_size)]  # one 5-token prefill: the 8-token bucket
+    ref_llm = our_llm(hf, max_num_batched_tokens=16)
+    ref = [generate(ref_llm, p, params[: len(p)]) for p in (prompts, alone)]
+
+    monkeypatch.setattr(ops, "fast_path", lambda x: True)
+    monkeypatch.setattr(cuda_graph, "MIXED_GRAPH_TOKENS", (8, 16))
+    llm = our_llm(hf, max_num_batched_tokens=16)
+    runner = llm.llm_engine.runner
+    runner.graphs = EagerBufferRunner(runner.model, runner.cache, 512, 4, "cpu", buckets=[1, 2, 4],
+                                      max_num_batched_tokens=16)
+    runner.graphs.variants_used = set()
+    mixed = []
+    prepare = runner.graphs.prepare_mixed
+
+    def recorded(chunks, *pending):
+        key, wanted = prepare(chunks, *pending)
+        mixed.append(([len(c.token_ids) for c in chunks], key[1]))
+        return key, wanted
+    runner.graphs.prepare_mixed = recorded
+    flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
+    for p, (ref_ids, ref_lps) in zip((prompts, alone), ref):
+        ids, lps = generate(llm, p, params[: len(p)])
+        assert ids == ref_ids
+        torch.testing.assert_close(flat(lps), flat(ref_lps), atol=1e-4, rtol=0)
+    assert any(1 in lengths and max(lengths) > 1 for lengths, _ in mixed), "prefill chunks must mix with decodes"
+    assert {T for _, T in mixed} == {8, 16}, "both buckets must be exercised"
+    assert any(sum(lengths) < T for lengths, T in mixed), "a step must leave tokens to the padding request"
+    assert llm.llm_engine.cache.all_free()
+
+
 def test_graph_block_tables_hold_each_rows_pages_then_zeros(model_pair):
     """The graph runner sends only the batch's widest block table each step; the buffer must still read as if every
     row were written in full: its pages, then zeros (padding rows all zero), also after the batch narrows."""
@@ -69,7 +113,7 @@ def test_graph_block_tables_hold_each_rows_pages_then_zeros(model_pair):
     llm = our_llm(model_pair)
     runner = llm.llm_engine.runner
     graphs = CUDAGraphRunner(runner.model, runner.cache, 512, 4, "cpu", buckets=[1, 2, 4])
-    graphs._run = lambda bucket, max_len: torch.zeros(bucket, 8)
+    graphs._run = lambda key: torch.zeros(key[0], 8)
     ps = runner.cache.page_size
 
     def chunk(pages):

@@ -88,7 +88,7 @@ class LLMEngine:
             from .cuda_graph import CUDAGraphRunner
 
             graphs = CUDAGraphRunner(self.model, self.cache, self.config.max_model_len, self.config.max_num_seqs,
-                                     self.device, self.config.cuda_graph_sizes)
+                                     self.device, self.config.cuda_graph_sizes, self.config.max_num_batched_tokens)
             graphs.capture()
         self.runner = ModelRunner(self.model, self.cache, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)

@@ -60,6 +60,9 @@ class StepMetadata:
     state_slots_cpu: list[int]
     num_decode_reqs: int  # requests 0 .. num_decode_reqs-1 bring exactly one token (the runner orders them first)
     max_seq_len: int  # static upper bound on any request's length after this step (sizes QSA score buffers)
+    # The step is captured in (or replayed from) a CUDA graph: ops must take paths that read per-request data from
+    # the device tensors only (the host fields above are frozen at capture), whatever mix of requests it holds.
+    in_cuda_graph: bool = False
     # Per-step values an op derives once and reuses in every layer (see prefill_chunk_indices).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -171,9 +171,9 @@ def paged_attention(q, key_cache, value_cache, meta, scale: float, selected=None
         return paged_attention_ref(q, key_cache, value_cache, meta.block_tables, meta.query_start_loc_cpu,
                                    meta.context_lens_cpu, scale, selected)
     if (selected is None and PREFILL_KERNEL_MIN_TOKENS is not None and meta.num_tokens >= PREFILL_KERNEL_MIN_TOKENS
-            and meta.num_decode_reqs < meta.num_reqs):
-        # all-decode steps stay on the split-K decode kernel even when large: they are the CUDA-graph steps, and one
-        # query per request is all a prefill tile would hold
+            and meta.num_decode_reqs < meta.num_reqs and not meta.in_cuda_graph):
+        # all-decode steps stay on the split-K decode kernel even when large: one query per request is all a prefill
+        # tile would hold; steps in CUDA graphs too: the tile table is built on the host
         from .triton_attention import prefill_paged_attention, prefill_tile_config, prefill_tile_tokens
 
         group = q.shape[1] // key_cache.shape[2]

@@ -126,15 +126,19 @@ def _fla_chunk():
 
 def gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, ssm_state, meta) -> torch.Tensor:
     """gated_delta_rule from the gate projections b, a [T, Hv] (beta, g = gdn_gates(b, a, A_log, dt_bias)).
-    GPU, a step of one-token requests: the recurrent kernel computes the gates itself, so the decode step runs no
-    gate kernels. Any other step, and the CPU, computes the gates first and takes gated_delta_rule."""
+    GPU, a step of one-token requests or a step in a CUDA graph: the recurrent kernel computes the gates itself, so
+    the step runs no gate kernels; in a graph it runs each request's tokens one by one (any mix of lengths, read
+    from the device copy of query_start_loc). Any other step, and the CPU, computes the gates first and takes
+    gated_delta_rule."""
     from . import fast_path
 
-    if fast_path(v) and meta.num_decode_reqs == meta.num_reqs:
+    all_decode = meta.num_decode_reqs == meta.num_reqs
+    if fast_path(v) and (all_decode or meta.in_cuda_graph):
         from .triton_gdn import fused_recurrent_gated_delta_rule_raw
 
         return fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, ssm_state, meta.state_slots,
-                                                    meta.has_initial)
+                                                    meta.has_initial,
+                                                    query_start_loc=None if all_decode else meta.query_start_loc)
     beta, g = gdn_gates(b, a, A_log, dt_bias)
     return gated_delta_rule(q, k, v, g, beta, ssm_state, meta)
 
