@@ -262,9 +262,9 @@ def test_varlen_matches_reference_per_request(lengths, hk, hv, dk, dv, dtype, ra
         s, e = int(qsl[r]), int(qsl[r + 1])
         start = state[slots[r]] if has_init[r] else torch.zeros_like(state[0])
         ref_slots = start[None].clone()  # one slot: slot 0
+        one, true = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool)
         if e > s:
-            ref = fused_recurrent_gated_delta_rule_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ref_slots,
-                                                       torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool),
+            ref = fused_recurrent_gated_delta_rule_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ref_slots, one, true,
                                                        e - s)
             torch.testing.assert_close(out[s:e].float(), ref.float(), **tol)
         torch.testing.assert_close(fast_state[slots[r]], ref_slots[0], rtol=1e-5, atol=1e-6)
