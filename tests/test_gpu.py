@@ -46,6 +46,38 @@ def test_gpu_fast_paths_and_graphs_match_transformers(indexer_budget, monkeypatc
     assert llm.llm_engine.cache.all_free()
 
 
+@pytest.mark.parametrize("indexer_budget", [16, 256])
+def test_gpu_mixed_step_graphs_match_the_reference(indexer_budget):
+    """Prefill chunks mixed with decodes replay the mixed-step CUDA graphs (GDN's recurrent kernel over each request's
+    tokens, per-token attention, a padding request): every generated token's logprob equals the CPU reference's
+    full forward at that position, and each greedy token is the reference's argmax."""
+    hf = hf_model(hf_config(ple_layer_ids=[1, 2], indexer_budget=indexer_budget, linear_key_head_dim=16,
+                            linear_value_head_dim=16, head_dim=32, indexer_head_dim=16,
+                            indexer_n_heads=8), seed=7)
+    llm = our_llm(hf, device="cuda", max_num_seqs=4, max_num_batched_tokens=64)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs.mixed_sizes == [64]
+    keys = []
+    prepare = graphs.prepare_mixed
+    graphs.prepare_mixed = lambda *a: keys.append(prepare(*a)) or keys[-1]
+    gen = torch.Generator().manual_seed(9)
+    prompts = [random_prompt(gen, n, hf.config.vocab_size, eos_every=13) for n in (5, 40, 90, 23)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len(keys) >= 3, "the prefill steps must replay the mixed graphs"
+    cpu = our_llm(hf, device="cpu", max_num_seqs=4)
+    for prompt, out in zip(prompts, outs):
+        ids = out.outputs[0].token_ids
+        full = cpu.generate([{"prompt_token_ids": prompt + ids[:-1]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)[0]
+        ref = full.prompt_logprobs[len(prompt):]  # the reference's distribution at each generated position
+        ours = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs[:-1], ids[:-1])]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor([d[t].logprob for d, t in zip(ref, ids[:-1])]),
+                                   atol=2e-4, rtol=0)
+        assert [d[t].rank for d, t in zip(ref, ids[:-1])] == [1] * (len(ids) - 1)
+    assert llm.llm_engine.cache.all_free()
+
+
 def test_fla_bf16_prefill_matches_the_chunked_reference():
     """bf16 prefill through fla's varlen chunk kernel (state slots gathered / scattered) vs the fp32 reference."""
     pytest.importorskip("fla")

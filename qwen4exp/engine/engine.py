@@ -127,17 +127,25 @@ class LLMEngine:
         if any(t == LINEAR for t in mc.layer_types):
             sizes |= set(ops.gated_delta.warm_up_token_counts(mc.linear_num_key_heads, full))
         rounds = [(64, short), (1000, short + long)] + [(n, [n]) for n in sorted(sizes) if n > 1]
-        for budget, lengths in rounds:
-            budget = min(budget, config.max_num_batched_tokens)
-            self.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=budget)
-            try:
+        # prefills eagerly, mixed-step graphs or not: the steps those graphs do not take (prompt logprobs,
+        # speculative verification, more tokens than their largest bucket) are eager
+        graphs = self.runner.graphs
+        mixed_sizes = graphs.mixed_sizes if graphs is not None else []
+        if graphs is not None:
+            graphs.mixed_sizes = []
+        try:
+            for budget, lengths in rounds:
+                budget = min(budget, config.max_num_batched_tokens)
+                self.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=budget)
                 for i, n in enumerate(lengths):
                     prompt = [(7 * j + i) % mc.vocab_size for j in range(n)]
                     self.add_request(f"warm-up-{budget}-{i}", {"prompt_token_ids": prompt}, params)
                 while self.has_unfinished_requests():
                     self.step()
-            finally:
-                self.scheduler.config = config
+        finally:
+            self.scheduler.config = config
+            if graphs is not None:
+                graphs.mixed_sizes = mixed_sizes
         self.metrics = EngineMetrics()
         logger.info("warm-up steps (compiling the eager step shapes) took %.1f s", time.perf_counter() - t0)
 
