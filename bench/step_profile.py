@@ -531,6 +531,65 @@ def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
     results["host_modules"] = out
 
 
+def small_step_walls(engine, seed: int, rounds: int = 3) -> dict:
+    """Wall times (synchronous scheduling, synchronised) of a 1 x 256 prefill step and of a mixed step of 63 decodes
+    + one 218-token prompt (the shape of the 64-request run's last prefill step)."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    engine.async_scheduling, was = False, engine.async_scheduling
+    walls = {"prefill_1x256": [], "mixed_63d_218p": []}
+    try:
+        for rnd in range(rounds):
+            for tag in walls:
+                if tag == "mixed_63d_218p":
+                    for i, p in enumerate(random_prompts(63, 8, vocab, seed=seed + rnd)):
+                        engine.add_request(f"sw{seed}-{rnd}-{i}", {"prompt_token_ids": p},
+                                           SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False))
+                    for _ in range(3):
+                        engine.step()
+                n = 218 if tag == "mixed_63d_218p" else 256
+                engine.add_request(f"sw{seed}-{rnd}-{tag}", {"prompt_token_ids": random_prompts(1, n, vocab,
+                                                                                                  seed + rnd)[0]},
+                                   params)
+                sync()
+                t0 = time.perf_counter()
+                engine.step()
+                sync()
+                walls[tag].append(round((time.perf_counter() - t0) * 1e3, 1))
+                while engine.has_unfinished_requests():
+                    engine.step()
+    finally:
+        engine.async_scheduling = was
+    return walls
+
+
+def ab_mixed_part(engine, results: dict, rounds: int = 2) -> None:
+    """The suite's 64-request run (1024 in, 256 out) and the small steps of `small_step_walls`, alternating with and
+    without the mixed-step CUDA graphs (without: those steps run eagerly, as before them). One process."""
+    from qwen4exp.bench.offline import throughput
+
+    graphs = engine.runner.graphs
+    if graphs is None or not graphs.mixed_sizes:
+        log("ab_mixed: no mixed-step graphs in this engine")
+        return
+    sizes = graphs.mixed_sizes
+    out = {"graphs": [], "eager": []}
+    try:
+        for rnd in range(rounds):
+            for mode in ("graphs", "eager"):
+                graphs.mixed_sizes = sizes if mode == "graphs" else []
+                r = throughput(engine, 64, 1024, 256)
+                row = {"output_tok_s": r["output_throughput"], "duration_s": r["duration_s"],
+                       "max_ttft_ms": r["max_ttft_ms"], "median_itl_ms": r["median_itl_ms"],
+                       "max_itl_ms": r["max_itl_ms"], "small_steps_ms": small_step_walls(engine, 700 + 10 * rnd)}
+                out[mode].append(row)
+                log("ab_mixed", mode, row)
+    finally:
+        graphs.mixed_sizes = sizes
+    results["ab_mixed"] = out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -585,6 +644,8 @@ def main():
             compiles_part(engine, results)
         elif part == "gc":
             gc_freeze_part(engine, results)
+        elif part == "ab_mixed":
+            ab_mixed_part(engine, results)
         elif part == "host_modules":
             host_modules_part(engine, results)
         elif part == "ab_prenorm":
