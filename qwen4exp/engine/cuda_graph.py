@@ -143,7 +143,7 @@ class CUDAGraphRunner:
         t0 = time.perf_counter()
         for T, max_len in [(T, v) for T in sorted(self.mixed_sizes, reverse=True) for v in self.variants]:
             # largest first so smaller graphs reuse its pool; captured with every token in the padding request
-            self.mbuf["query_start_loc"].zero_()
+            self.mbuf["query_start_loc"].copy_(torch.tensor([0] * self.mixed_reqs + [T]))
             self._fill_mixed_padding(T, 0)
             meta = self._mixed_meta(T, max_len)
             self._capture_one(("mixed", T, max_len), meta, meta.logits_indices)
@@ -189,7 +189,6 @@ class CUDAGraphRunner:
         b["positions"][total:T].copy_(self.mixed_arange[:pad])
         for name in ("input_ids", "slot_mapping"):
             b[name][total:T].zero_()
-        b["query_start_loc"][-1] = T
 
     def prepare_mixed(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None):
         """Fills the mixed buffers for a step (see can_run); returns the key of the graph to replay and the rows of its
