@@ -532,26 +532,14 @@ def host_modules_part(engine, results: dict, rounds: int = 3) -> None:
 
 
 def small_step_walls(engine, seed: int, rounds: int = 3) -> dict:
-    """Wall times (synchronous scheduling, synchronised) of a 1 x 256 prefill step and of a mixed step of 63 decodes
-    + one 218-token prompt (the shape of the 64-request run's last prefill step)."""
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    """Wall times (synchronous scheduling, synchronised) of the two small step shapes of `add_small_step`."""
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     engine.async_scheduling, was = False, engine.async_scheduling
     walls = {"prefill_1x256": [], "mixed_63d_218p": []}
     try:
         for rnd in range(rounds):
             for tag in walls:
-                if tag == "mixed_63d_218p":
-                    for i, p in enumerate(random_prompts(63, 8, vocab, seed=seed + rnd)):
-                        engine.add_request(f"sw{seed}-{rnd}-{i}", {"prompt_token_ids": p},
-                                           SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False))
-                    for _ in range(3):
-                        engine.step()
-                n = 218 if tag == "mixed_63d_218p" else 256
-                engine.add_request(f"sw{seed}-{rnd}-{tag}", {"prompt_token_ids": random_prompts(1, n, vocab,
-                                                                                                  seed + rnd)[0]},
-                                   params)
+                add_small_step(engine, tag, seed + rnd)
                 sync()
                 t0 = time.perf_counter()
                 engine.step()
