@@ -77,6 +77,21 @@ def test_abort_frees_cache_at_any_time(tiny_dir):
     assert engine.num_unfinished_requests == 0
 
 
+def test_warm_up_runs_the_full_step_budget_beyond_max_model_len(tiny_dir):
+    """A step budget larger than max_model_len is reached by several prompts at once in serving, so the warm-up
+    runs that step size too (as several prompts); otherwise its kernels compile in the middle of serving."""
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=40, num_pages=64, page_size=8,
+              max_num_batched_tokens=200, max_num_seqs=8)
+    engine = llm.llm_engine
+    steps, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    engine._warm_up()
+    # the other rounds' prompts (5-300 tokens, cut to 36) make steps of at most 113 tokens
+    assert max(s.num_tokens for s in steps) == 200
+    assert [len(s.scheduled) for s in steps if s.num_tokens == 200] == [6]  # 5 x 36 + 20 prompt tokens
+    assert engine.cache.all_free() and engine.scheduler.config.max_num_batched_tokens == 200
+
+
 def test_warm_up_leaves_no_trace(tiny_dir):
     """The startup warm-up (run on CUDA; called here on the CPU path) frees every page and slot, restores the step
     budget, resets the metrics, and later requests generate exactly what a fresh engine generates."""

@@ -139,23 +139,26 @@ def test_host_and_gpu_fp8_tables_give_identical_outputs_with_graphs():
     assert results["cpu"] == results["gpu"]
 
 
-def test_serving_compiles_nothing_after_the_warm_up():
+@pytest.mark.parametrize("max_model_len", [2048, 160])
+def test_serving_compiles_nothing_after_the_warm_up(max_model_len):
     """Step sizes the warm-up never ran, odd and even, in every routed-expert kernel regime up to the full step
     budget, decodes mixed with prefills: no Triton kernel and no dynamo graph compiles while serving them (each
-    compilation is a stall of 0.3-7 s in the middle of serving)."""
+    compilation is a stall of 0.3-7 s in the middle of serving). With max_model_len 160 the steps over 192 tokens
+    (the MoE's 64-row tile tier at 8 experts, top-2) are several prompts."""
     from qwen4exp.bench.compile_log import CompileLog
 
     hf = hf_model(hf_config(), seed=5)
-    llm = our_llm(hf, device="cuda", dtype="bfloat16", max_model_len=2048, num_pages=2048, max_num_seqs=16,
+    llm = our_llm(hf, device="cuda", dtype="bfloat16", max_model_len=max_model_len, num_pages=2048, max_num_seqs=16,
                   max_num_batched_tokens=1024)
     gen = torch.Generator().manual_seed(3)
-    lengths = [1, 2, 3, 17, 31, 64, 65, 100, 190, 250, 333, 700, 1023, 1500, 2000]
-    rounds = [lengths, torch.randint(1, 1800, (16,), generator=gen).tolist()]
+    lengths = [n for n in (1, 2, 3, 17, 31, 64, 65, 100, 190, 250, 333, 700, 1023, 1500, 2000) if n < max_model_len]
+    rounds = [lengths, torch.randint(1, min(1800, max_model_len - 8), (16,), generator=gen).tolist()]
     with CompileLog() as log:
         for lens in rounds:
             prompts = [random_prompt(gen, n, hf.config.vocab_size) for n in lens]
-            params = [SamplingParams(temperature=0, max_tokens=min(7, 2048 - n), ignore_eos=True) for n in lens]
+            want = [min(7, max_model_len - n) for n in lens]
+            params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in want]
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            assert all(len(o.outputs[0].token_ids) == min(7, 2048 - n) for o, n in zip(outs, lens))
+            assert [len(o.outputs[0].token_ids) for o in outs] == want
     assert [(e["kernel"], e["key"]) for e in log.events] == [] and log.dynamo_graphs == 0
     assert llm.llm_engine.cache.all_free()

@@ -121,12 +121,21 @@ class LLMEngine:
         config = self.scheduler.config
         # Two chunk sizes, so that every prefill-only path sees two token counts. Then one prefill step of each size
         # at which a kernel choice or an autotuning key changes, up to the full budget: the 64-request runs met
-        # those (MoE tile configs, fla's l2norm buckets) as 0.3-7 s stalls.
-        full = min(config.max_num_batched_tokens, limit)
+        # those (MoE tile configs, fla's l2norm buckets) as 0.3-7 s stalls. A step larger than max_model_len is
+        # several prompts, as serving meets it.
+        def prompts(n):
+            return [limit] * (n // limit) + [n % limit] * (n % limit > 0)
+
+        def pages(n):
+            return sum(self.cache.pages_needed(m + params.max_tokens) for m in prompts(n))
+
+        full = min(config.max_num_batched_tokens, c.max_num_seqs * limit)
+        while full > 1 and pages(full) > self.cache.pages.num_usable:
+            full -= c.page_size
         sizes = set(ops.moe.warm_up_token_counts(mc.num_experts, mc.num_experts_per_tok, full)) | {full}
         if any(t == LINEAR for t in mc.layer_types):
             sizes |= set(ops.gated_delta.warm_up_token_counts(mc.linear_num_key_heads, full))
-        rounds = [(64, short), (1000, short + long)] + [(n, [n]) for n in sorted(sizes) if n > 1]
+        rounds = [(64, short), (1000, short + long)] + [(n, prompts(n)) for n in sorted(sizes) if n > 1]
         # prefills eagerly, mixed-step graphs or not: the steps those graphs do not take (prompt logprobs,
         # speculative verification, more tokens than their largest bucket) are eager
         graphs = self.runner.graphs
