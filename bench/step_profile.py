@@ -601,6 +601,8 @@ def main():
     results = {"startup_s": time.perf_counter() - t0, "device": device_name}
     parts = args.parts.split(",")
     path = os.path.join(args.out, "step_profile.json")
+    simple_parts = {"splits": splits_part, "syncs": syncs_part, "compiles": compiles_part, "gc": gc_freeze_part,
+                    "ab_mixed": ab_mixed_part, "host_modules": host_modules_part, "ab_prenorm": ab_prenorm_part}
     for part in parts:
         if part == "decode":
             decode_part(engine, args.out, 1, results)
@@ -624,20 +626,8 @@ def main():
         elif part.startswith("prefill_host"):  # e.g. prefill_host1x128
             n, length = part[len("prefill_host"):].split("x")
             prefill_host_part(engine, results, int(n), int(length))
-        elif part == "splits":
-            splits_part(engine, results)
-        elif part == "syncs":
-            syncs_part(engine, results)
-        elif part == "compiles":
-            compiles_part(engine, results)
-        elif part == "gc":
-            gc_freeze_part(engine, results)
-        elif part == "ab_mixed":
-            ab_mixed_part(engine, results)
-        elif part == "host_modules":
-            host_modules_part(engine, results)
-        elif part == "ab_prenorm":
-            ab_prenorm_part(engine, results)
+        elif part in simple_parts:
+            simple_parts[part](engine, results)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
