@@ -133,3 +133,42 @@ def test_graph_block_tables_hold_each_rows_pages_then_zeros(model_pair):
         graphs.execute([chunk(p) for p in rows])
         assert torch.equal(graphs.buf["block_tables"][:bucket], expected(rows, bucket))
         assert not graphs.buf["block_tables"][:, max(map(len, rows)):].any()
+
+
+def test_mixed_graph_buckets_longer_than_max_model_len(model_pair, monkeypatch):
+    """A bucket longer than max_model_len (a step of several short prompts) hands the padding request positions past
+    max_model_len: its block table row must still cover them (zeros: the null page), or the in-graph attention
+    reads pages from past the table (an illegal memory access on the GPU)."""
+    from qwen4exp.engine import cuda_graph
+
+    hf = model_pair
+    gen = torch.Generator().manual_seed(9)
+    # one 12-token prefill step: the 32-token bucket, whose padding request reaches position 19 (tables: 16)
+    prompts = [random_prompt(gen, n, hf.config.vocab_size, eos_every=5) for n in (5, 3, 4)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=0) for m in (4, 3, 6)]
+    ref_ids, ref_lps = generate(our_llm(hf, max_model_len=12, max_num_batched_tokens=32), prompts, params)
+
+    monkeypatch.setattr(ops, "fast_path", lambda x: True)
+    monkeypatch.setattr(cuda_graph, "MIXED_GRAPH_TOKENS", (8, 32))
+    llm = our_llm(hf, max_model_len=12, max_num_batched_tokens=32)
+    runner = llm.llm_engine.runner
+    runner.graphs = EagerBufferRunner(runner.model, runner.cache, 12, 4, "cpu", buckets=[1, 2, 4],
+                                      max_num_batched_tokens=32)
+    runner.graphs.variants_used = set()
+    graphs, ps, buckets = runner.graphs, runner.cache.page_size, []
+    prepare = graphs.prepare_mixed
+
+    def recorded(chunks, *pending):
+        key, wanted = prepare(chunks, *pending)
+        T, tables = key[1], graphs.mbuf["block_tables"]
+        # the CPU kernels read past a table row without failing: check the reach the GPU needs instead
+        assert int(graphs.mbuf["positions"][:T].max()) < tables.shape[1] * ps, "a token's page is past its table"
+        buckets.append(T)
+        return key, wanted
+    graphs.prepare_mixed = recorded
+    ids, lps = generate(llm, prompts, params)
+    assert 32 in buckets, "a step must replay the bucket longer than max_model_len"
+    assert ids == ref_ids
+    flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
+    torch.testing.assert_close(flat(lps), flat(ref_lps), atol=1e-4, rtol=0)
+    assert llm.llm_engine.cache.all_free()

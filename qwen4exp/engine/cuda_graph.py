@@ -79,12 +79,15 @@ class CUDAGraphRunner:
         R = self.mixed_reqs = B + 1  # the step's requests, empty rows, and the padding request last
         T = self.mixed_sizes[-1] if self.mixed_sizes else 0
         nb = T // C + R  # a chunk of n tokens completes at most n // C + 1 QSA blocks
+        # the padding request's tokens sit at positions 0..T-1, past max_model_len when a bucket is longer than it
+        # (steps of several short prompts): its table row (zeros, the null page) must reach them
+        mixed_pages = -(-max(max_model_len, T) // self.page_size)
         self.mbuf = dict(
             input_ids=torch.zeros(T, **z), positions=torch.zeros(T, **z), slot_mapping=torch.zeros(T, **z),
             token_req=torch.zeros(T, **z), token_local=torch.zeros(T, **z),
             query_start_loc=torch.zeros(R + 1, dtype=torch.int32, device=self.device),
             context_lens=torch.zeros(R, dtype=torch.int32, device=self.device), state_slots=torch.zeros(R, **z),
-            block_tables=torch.zeros(R, max_pages, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(R, mixed_pages, dtype=torch.int32, device=self.device),
             ngram_context=torch.zeros(R, max(c.ngram_size - 1, 0), **z),
             has_initial=torch.zeros(R, dtype=torch.bool, device=self.device), logits_indices=torch.zeros(R, **z),
             new_block_token_slots=torch.zeros(nb, C, **z), new_block_slots=torch.zeros(nb, **z),
