@@ -337,13 +337,32 @@ def _field_from_hf_error(e: Exception) -> str:
     return "config.json"
 
 
+def default_max_num_batched_tokens(device, server: bool) -> int:
+    """The step token budget when none is given: vLLM 0.33's defaults (`EngineArgs.get_batch_defaults`). Larger
+    steps where the GPU has the memory and compute for them; the OpenAI server gets smaller ones than the offline
+    `LLM` class, because every running request waits for each step."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 2048 if server else 4096
+    props = torch.cuda.get_device_properties(device)
+    gib = props.total_memory / 2**30
+    if gib >= 160:
+        return 16384
+    # A100s lose throughput with large steps (vLLM PR #17885); GB10 (cc 12.1) has the memory but not the compute
+    if gib >= 70 and "a100" not in props.name.lower() and (props.major, props.minor) != (12, 1):
+        return 8192 if server else 16384
+    return 2048 if server else 8192
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits and runtime choices of one engine instance (vLLM's names)."""
 
     max_model_len: int = 4096
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the device's default (default_max_num_batched_tokens)
     page_size: int = 16
     gpu_memory_utilization: float = 0.9
     cpu_cache_bytes: int = 1 << 30
@@ -360,6 +379,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
             value = getattr(self, name)
+            if value is None and name == "max_num_batched_tokens":
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -91,7 +91,8 @@ def test_missing_config_file(tmp_path):
 
 @pytest.mark.parametrize("over, field", [(dict(max_model_len=0), "max_model_len"),
                                          (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-                                         (dict(max_num_seqs=-1), "max_num_seqs")])
+                                         (dict(max_num_seqs=-1), "max_num_seqs"),
+                                         (dict(max_num_batched_tokens=0), "max_num_batched_tokens")])
 def test_engine_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**over)
@@ -109,3 +110,55 @@ def test_cli_reports_bad_options_in_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "ple_table_device" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name, gib, capability, llm, server", [
+    ("NVIDIA H200", 139.8, (9, 0), 16384, 8192),
+    ("NVIDIA H100 80GB HBM3", 79.1, (9, 0), 16384, 8192),
+    ("NVIDIA A100-SXM4-80GB", 79.1, (8, 0), 8192, 2048),
+    ("NVIDIA B200", 178.4, (10, 0), 16384, 16384),
+    ("NVIDIA GB10", 119.7, (12, 1), 8192, 2048),
+    ("NVIDIA L4", 22.0, (8, 9), 8192, 2048),
+])
+def test_default_step_budget_per_gpu_is_vllms(monkeypatch, name, gib, capability, llm, server):
+    """Without --max-num-batched-tokens a user gets vLLM 0.33's budget for their GPU: the offline LLM class's,
+    and the smaller one of the OpenAI server."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qwen4exp.config import default_max_num_batched_tokens
+
+    props = SimpleNamespace(name=name, total_memory=int(gib * 2**30), major=capability[0], minor=capability[1])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert default_max_num_batched_tokens("cuda", server=False) == llm
+    assert default_max_num_batched_tokens("cuda", server=True) == server
+
+
+def test_default_step_budget_on_the_cpu(tmp_path):
+    """LLM() resolves the budget at start-up (4096 on the CPU, as vLLM's LLM class) and its scheduler uses it;
+    `qwen4exp serve` gets the server's 2048, and an explicit --max-num-batched-tokens wins (0 names the field)."""
+    import argparse
+
+    from qwen4exp import LLM, SamplingParams
+    from qwen4exp.entrypoints.serve_cli import _add_serve_args
+    from qwen4exp.entrypoints.server import engine_config_from_args
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    make_random(str(tmp_path), "tiny")
+    llm = LLM(str(tmp_path), device="cpu", load_format="dummy", max_model_len=8192)
+    assert llm.llm_engine.config.max_num_batched_tokens == 4096
+    steps, schedule = [], llm.llm_engine.scheduler.schedule
+    llm.llm_engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    out = llm.generate([{"prompt_token_ids": [5] * 4100}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1
+    assert [s.num_tokens for s in steps if s.num_tokens] == [4096, 4]
+
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    args = parser.parse_args([str(tmp_path), "--device", "cpu"])
+    assert engine_config_from_args(args)[1].max_num_batched_tokens == 2048
+    args = parser.parse_args([str(tmp_path), "--device", "cpu", "--max-num-batched-tokens", "512"])
+    assert engine_config_from_args(args)[1].max_num_batched_tokens == 512
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        engine_config_from_args(parser.parse_args([str(tmp_path), "--device", "cpu", "--max-num-batched-tokens", "0"]))

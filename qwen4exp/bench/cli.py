@@ -58,7 +58,8 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--output-len", type=int, default=128)
         p.add_argument("--max-model-len", type=int, default=4096)
         p.add_argument("--max-num-seqs", type=int, default=256)
-        p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+        p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens per step (default: the LLM class's, as vLLM's: 16384 on H100/H200-class GPUs)")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--enforce-eager", action="store_true")
         add_async_scheduling_arg(p)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from ..config import LINEAR, EngineConfig, ModelConfig, load_model_config
+from ..config import LINEAR, EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config
 from ..weights.loader import load_model
 from .cache import CacheManager
 from .detokenizer import IncrementalDetokenizer
@@ -75,6 +75,10 @@ class LLMEngine:
         self.model_config = model_config or load_model_config(model)
         mc = self.model_config
         self.config = engine_config or EngineConfig()
+        if self.config.max_num_batched_tokens is None:
+            self.config = dataclasses.replace(
+                self.config, max_num_batched_tokens=default_max_num_batched_tokens(self.device, server=False))
+            logger.info("max_num_batched_tokens=%d (this device's default)", self.config.max_num_batched_tokens)
         self.dtype = resolve_dtype(dtype, mc, self.device)
         torch.manual_seed(self.config.seed)
         self.model = load_model(mc, model, self.dtype, self.device, load_format, weights, seed=self.config.seed,

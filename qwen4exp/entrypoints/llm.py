@@ -18,7 +18,7 @@ class LLM:
         device: str | None = None,
         max_model_len: int = 4096,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
         gpu_memory_utilization: float = 0.9,

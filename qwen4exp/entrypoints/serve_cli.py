@@ -23,7 +23,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len)
     p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default, as vLLM's server: 8192 on GPUs of 70-160 GiB but A100s, 16384 "
+                        "from 160 GiB, else 2048)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 when more requests than this would wait for a seat in the batch")
     p.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)

@@ -364,22 +364,34 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     return app
 
 
-def run_server(args) -> None:
-    """Load the model from argparse `args` (see serve_cli.py) and serve until interrupted."""
-    import uvicorn
+def engine_config_from_args(args):
+    """(device, EngineConfig) of `qwen4exp serve`'s argparse `args`; the step budget defaults to the server's."""
+    import torch
 
-    from ..config import EngineConfig
-    from ..engine.engine import LLMEngine
+    from ..config import EngineConfig, default_max_num_batched_tokens
 
-    config = EngineConfig(
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = default_max_num_batched_tokens(device, server=True)
+    return device, EngineConfig(
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+        max_num_batched_tokens=budget, page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization, cpu_cache_bytes=args.cpu_cache_bytes,
         max_queued_requests=args.max_queued_requests, enforce_eager=args.enforce_eager, seed=args.seed,
         async_scheduling=args.async_scheduling, ple_table_device=args.ple_table_device,
         ple_table_dtype=args.ple_table_dtype,
     )
-    llm_engine = LLMEngine(args.model, config, dtype=args.dtype, device=args.device, load_format=args.load_format)
+
+
+def run_server(args) -> None:
+    """Load the model from argparse `args` (see serve_cli.py) and serve until interrupted."""
+    import uvicorn
+
+    from ..engine.engine import LLMEngine
+
+    device, config = engine_config_from_args(args)
+    llm_engine = LLMEngine(args.model, config, dtype=args.dtype, device=device, load_format=args.load_format)
     async_engine = AsyncEngine(llm_engine).start()
     name = (args.served_model_name or [args.model])[0]
     app = build_app(async_engine, name, api_key=args.api_key, max_model_len=config.max_model_len,
