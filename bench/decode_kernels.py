@@ -24,6 +24,11 @@
             through cuBLAS with the weight as stored ([out, in], F.linear's "TN" GEMM) against a transposed copy
             ([in, out], torch.mm's "NN"), and the hyper-connection down projection with its rows padded from 328 to
             384; per decode step, the microseconds a layout would save (calls per step x difference).
+  moe_tiles (not in the default parts): `fused_moe` (the sorted-pairs path of 65-409 tokens, batch-64 decode) over
+            gate/up tiles, then down tiles with the best gate/up tile, at 64 tokens; the best against the defaults
+            at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
+  gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
+            (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
             head_dim 256, page 16): `sparse_paged_attention` (the current path) against the flash-style
             `prefill_paged_attention` at its defaults and a tile sweep, 8 x 1024 and 1 x 8192 new tokens and
@@ -556,6 +561,104 @@ def bench_gemm_layouts(results, shapes=LAYOUT_SHAPES, token_counts=(64, 8192), d
     results["gemm_layouts"] = rows
 
 
+def bench_moe_tiles(results, tokens=64, check_tokens=(16, 32, 64, 128, 256)):
+    from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config
+
+    E, k, hidden, inter, dev, dt = 128, 10, 2560, 640, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate_up = (torch.randn(E, 2 * inter, hidden, device=dev, generator=g) / hidden**0.5).to(dt)
+    down = (torch.randn(E, hidden, inter, device=dev, generator=g) / inter**0.5).to(dt)
+    weight_gb = (gate_up.numel() + down.numel()) * 2 / 1e9
+
+    def inputs(n):
+        x = torch.randn(n, hidden, device=dev, generator=g).to(dt)
+        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)])
+        return x, ids, torch.softmax(torch.randn(n, k, device=dev, generator=g), -1)
+
+    def run(n, config):
+        x, ids, wts = inputs(n)
+        ref = fused_moe(x, gate_up, down, ids, wts)
+        try:
+            got = fused_moe(x, gate_up, down, ids, wts, config=config)
+            return per_call_us(lambda: fused_moe(x, gate_up, down, ids, wts, config=config), calls=16), \
+                (got.float() - ref.float()).abs().max().item()
+        except Exception as e:  # a tile over the shared-memory limit
+            print(f"moe_tiles {config}: {type(e).__name__}", flush=True)
+            return float("inf"), None
+
+    default = get_config(tokens, E, k, hidden, inter)
+    rows = []
+
+    def measure(config, what):
+        us, diff = run(tokens, config)
+        rows.append(dict(what=what, block_m=config.block_m, gate_up=vars(config.gate_up), down=vars(config.down),
+                         us=us, max_abs_diff=diff))
+        print(f"moe_tiles T={tokens} {what}: {us:8.2f} us ({weight_gb / us * 1e6:.0f} GB/s) gate_up {config.gate_up} "
+              f"down {config.down} |diff| {diff}", flush=True)
+        return us
+
+    base = measure(default, "default")
+    best = (base, default)
+    for bn, bk in ((16, 128), (32, 64), (32, 256), (64, 64), (64, 128)):
+        c = MoEConfig(default.block_m, Tile(bn, bk, 1, 4, 4), default.down)
+        best = min(best, (measure(c, "gate_up"), c), key=lambda r: r[0])
+    gu = best[1].gate_up
+    for w, st in ((4, 3), (4, 5), (8, 4), (8, 3), (2, 4)):
+        c = MoEConfig(default.block_m, Tile(gu.block_n, gu.block_k, 1, w, st), default.down)
+        best = min(best, (measure(c, "gate_up"), c), key=lambda r: r[0])
+    gu = best[1].gate_up
+    for bn, bk in ((32, 128), (128, 128), (64, 64), (128, 64), (32, 64)):
+        c = MoEConfig(default.block_m, gu, Tile(bn, bk, 1, 4, 4))
+        best = min(best, (measure(c, "down"), c), key=lambda r: r[0])
+    dn = best[1].down
+    for w, st in ((4, 3), (4, 5), (8, 4), (8, 3), (2, 4)):
+        c = MoEConfig(default.block_m, gu, Tile(dn.block_n, dn.block_k, 1, w, st))
+        best = min(best, (measure(c, "down"), c), key=lambda r: r[0])
+    chosen = best[1]
+    check = []
+    for n in check_tokens:  # alternating, twice: the chosen tiles against each size's default
+        d = get_config(n, E, k, hidden, inter)
+        pair = [run(n, d)[0], run(n, chosen)[0], run(n, d)[0], run(n, chosen)[0]]
+        check.append(dict(tokens=n, default_us=pair[::2], chosen_us=pair[1::2], default_tiles=str(d)))
+        print(f"moe_tiles T={n}: default {pair[::2]} us, chosen {pair[1::2]} us (48 layers: "
+              f"{48 * (min(pair[::2]) - min(pair[1::2])):.0f} us a step)", flush=True)
+    results["moe_tiles"] = dict(tokens=tokens, rows=rows, chosen=str(chosen), check=check)
+
+
+def bench_gdn_warps(results, batch=64, layers=36):
+    from qwen4exp.ops import triton_gdn
+
+    hk, hv, d, dev, dt = 16, 48, 128, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    A_log = torch.rand(hv, device=dev, generator=g) * 2.7
+    dt_bias = torch.randn(hv, device=dev, generator=g)
+    q, k = (torch.randn(batch, hk, d, device=dev, generator=g).to(dt) for _ in range(2))
+    v = torch.randn(batch, hv, d, device=dev, generator=g).to(dt)
+    b, a = (torch.randn(batch, hv, device=dev, generator=g).to(dt) for _ in range(2))
+    slots = torch.arange(1, batch + 1, device=dev)
+    has_init = torch.ones(batch, dtype=torch.bool, device=dev)
+    state = torch.randn(batch + 1, hv, d, d, device=dev, generator=g) * 0.05
+    state_gb = 2 * batch * hv * d * d * 4 / 1e9  # read and written
+    default_warps = triton_gdn._num_warps
+
+    def us(bv, warps):
+        triton_gdn._num_warps = (lambda dk, w: warps) if warps else default_warps
+        try:
+            return per_call_us(lambda: triton_gdn.fused_recurrent_gated_delta_rule_raw(
+                q, k, v, b, a, A_log, dt_bias, state, slots, has_init, block_v=bv), calls=layers)
+        finally:
+            triton_gdn._num_warps = default_warps
+
+    rows = []
+    for bv in (32, 64, 128):
+        for warps in (1, 2, 4, 8):
+            pair = [us(None, None), us(bv, warps), us(None, None), us(bv, warps)]
+            rows.append(dict(block_v=bv, num_warps=warps, default_us=pair[::2], us=pair[1::2]))
+            print(f"gdn_warps B={batch} block_v {bv} warps {warps}: {min(pair[1::2]):7.2f} us "
+                  f"({state_gb / min(pair[1::2]) * 1e6:.0f} GB/s); default {min(pair[::2]):7.2f} us", flush=True)
+    results["gdn_warps"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -564,7 +667,8 @@ def main():
     results = {"device": torch.cuda.get_device_name()}
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
-             "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts}
+             "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
+             "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

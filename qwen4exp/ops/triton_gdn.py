@@ -144,6 +144,10 @@ def _block_v(num_heads_total: int, dv: int) -> int:
     return bv
 
 
+def _num_warps(dk: int, bv: int) -> int:
+    return max(1, min(4, dk * bv // 1024))
+
+
 def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_state, L, intermediate_states, block_v,
             query_start_loc=None):
     total, hk, dk = q.shape
@@ -184,7 +188,7 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         dk ** -0.5,
         L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
         RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, INTERPRETED=_INTERPRETED,
-        num_warps=max(1, min(4, dk * bv // 1024)),
+        num_warps=_num_warps(dk, bv),
     )
     return out
 
