@@ -27,6 +27,8 @@
   moe_tiles (not in the default parts): `fused_moe` (the sorted-pairs path of 65-409 tokens, batch-64 decode) over
             gate/up tiles, then down tiles with the best gate/up tile, at 64 tokens; the best against the defaults
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
+  blas_backends (not in the default parts): F.linear at the model's projections (and lm_head) at 1, 64 and 8192
+            tokens through cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -561,6 +563,49 @@ def bench_gemm_layouts(results, shapes=LAYOUT_SHAPES, token_counts=(64, 8192), d
     results["gemm_layouts"] = rows
 
 
+def bench_blas_backends(results, shapes=LAYOUT_SHAPES + (("lm_head", 151936, 2560, 1),), token_counts=(1, 64, 8192),
+                        dev="cuda"):
+    """F.linear through cuBLAS (torch's default) and through cuBLASLt (`torch.backends.cuda.preferred_blas_library`),
+    alternating, at the model's projections; per step, the microseconds cuBLASLt would save."""
+    dt = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    default = torch.backends.cuda.preferred_blas_library()
+    rows = []
+    try:
+        for name, n, k, calls in shapes:
+            nbytes = n * k * 2
+            copies = min(max(calls, 4), -(-(256 << 20) // nbytes))
+            weights = [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+            for tokens in token_counts:
+                if name == "lm_head" and tokens > 64:
+                    continue
+                x = torch.randn(tokens, k, device=dev, generator=g).to(dt)
+                row = dict(name=name, n=n, k=k, calls=calls, tokens=tokens, cublas_us=[], cublaslt_us=[])
+                for _ in range(2):
+                    for backend in ("cublas", "cublaslt"):
+                        torch.backends.cuda.preferred_blas_library(backend)
+                        state = {"i": 0}
+
+                        def call():
+                            torch.nn.functional.linear(x, weights[state["i"] % copies])
+                            state["i"] += 1
+                        row[backend + "_us"].append(per_call_us(call, calls=max(calls, 4) if tokens <= 64 else 8))
+                torch.backends.cuda.preferred_blas_library(default)
+                row["lt_saves_us_per_step"] = calls * (min(row["cublas_us"]) - min(row["cublaslt_us"]))
+                rows.append(row)
+                print(f"blas {name} [{n}, {k}] T={tokens}: cublas {min(row['cublas_us']):8.2f} us, cublaslt "
+                      f"{min(row['cublaslt_us']):8.2f} us; Lt saves {row['lt_saves_us_per_step']:.0f} us per step",
+                      flush=True)
+            weights.clear()
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+    for tokens in token_counts:
+        total = sum(r["lt_saves_us_per_step"] for r in rows if r["tokens"] == tokens)
+        print(f"blas: cuBLASLt everywhere saves {total:.0f} us per step of {tokens} tokens", flush=True)
+    results["blas_backends"] = rows
+
+
 def bench_moe_tiles(results, tokens=64, check_tokens=(16, 32, 64, 128, 256)):
     from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config
 
@@ -668,7 +713,8 @@ def main():
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
-             "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps}
+             "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
+             "blas_backends": bench_blas_backends}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:
