@@ -337,6 +337,13 @@ def _field_from_hf_error(e: Exception) -> str:
     return "config.json"
 
 
+def resolve_device(device=None):
+    """The device an engine runs on: the one given, else the GPU when there is one, else the CPU."""
+    import torch
+
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def default_max_num_batched_tokens(device, server: bool) -> int:
     """The step token budget when none is given: vLLM 0.33's defaults (`EngineArgs.get_batch_defaults`). Larger
     steps where the GPU has the memory and compute for them; the OpenAI server gets smaller ones than the offline

@@ -206,9 +206,8 @@ class CUDAGraphRunner:
         def put(name, host):
             b[name][: host.shape[0]].copy_(host.to(b[name].dtype), non_blocking=True)
 
-        for name in ("input_ids", "slot_mapping", "token_req", "token_local"):
+        for name in ("input_ids", "positions", "slot_mapping", "token_req", "token_local"):
             put(name, getattr(m, name))
-        put("positions", m.positions)
         qsl = m.query_start_loc_cpu + [total] * (empty - 1) + [T]
         put("query_start_loc", torch.tensor(qsl))
         put("context_lens", torch.cat([m.context_lens, torch.zeros(empty, dtype=torch.int32)]))

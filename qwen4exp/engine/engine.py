@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from ..config import LINEAR, EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config
+from ..config import (LINEAR, EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config,
+                      resolve_device)
 from ..weights.loader import load_model
 from .cache import CacheManager
 from .detokenizer import IncrementalDetokenizer
@@ -71,7 +72,7 @@ class LLMEngine:
         tokenizer=None,
         model_config: ModelConfig | None = None,
     ):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.model_config = model_config or load_model_config(model)
         mc = self.model_config
         self.config = engine_config or EngineConfig()

@@ -366,11 +366,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
 def engine_config_from_args(args):
     """(device, EngineConfig) of `qwen4exp serve`'s argparse `args`; the step budget defaults to the server's."""
-    import torch
+    from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
 
-    from ..config import EngineConfig, default_max_num_batched_tokens
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     budget = args.max_num_batched_tokens
     if budget is None:
         budget = default_max_num_batched_tokens(device, server=True)
