@@ -381,17 +381,20 @@ def bench_conv(results):
     slots = torch.arange(1, n + 1, device=dev)
     has_init = torch.zeros(n, dtype=torch.bool, device=dev)
     state = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
-    row = {"tokens": T, "bytes_in_out": 2 * T * C * 2}
-    for bt in (16, 32, 64, 128):
-        for bc in (64, 128, 256):
-            for nw in (4, 8):
-                row[f"bt{bt}_bc{bc}_w{nw}"] = per_call_us(
-                    lambda: causal_conv1d_varlen(x, w, state, qsl, token_req, token_local, slots, has_init,
-                                                 block_t=bt, block_c=bc, num_warps=nw), calls=8)
-    best = min((k for k in row if k.startswith("bt")), key=row.get)
-    print(f"conv varlen 8x1024: default {row['bt32_bc128_w4']:.1f} us, best {best} {row[best]:.1f} us "
-          f"(bandwidth time at 4 TB/s: {row['bytes_in_out'] / 4e6:.1f} us)", flush=True)
-    out["varlen"].append(row)
+    # as in the model: q, k, v are the first 10240 columns of GDN's [T, 16480] in_proj output, written planar
+    x_model = torch.randn(T, 16480, device=dev, generator=g).to(dt)[:, :C]
+    for layout, xs, split in (("contiguous", x, None), ("model", x_model, (2048, 2048, 6144))):
+        row = {"tokens": T, "layout": layout, "bytes_in_out": 2 * T * C * 2}
+        for bt in (16, 32, 64, 128):
+            for bc in (64, 128, 256):
+                for nw in (4, 8):
+                    row[f"bt{bt}_bc{bc}_w{nw}"] = per_call_us(
+                        lambda: causal_conv1d_varlen(xs, w, state, qsl, token_req, token_local, slots, has_init,
+                                                     block_t=bt, block_c=bc, num_warps=nw, split=split), calls=8)
+        best = min((k for k in row if k.startswith("bt")), key=row.get)
+        print(f"conv varlen 8x1024 ({layout} input): default {row['bt32_bc128_w4']:.1f} us, best {best} "
+              f"{row[best]:.1f} us (bandwidth time at 4 TB/s: {row['bytes_in_out'] / 4e6:.1f} us)", flush=True)
+        out["varlen"].append(row)
     results["conv"] = out
 
 
