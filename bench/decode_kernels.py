@@ -29,8 +29,9 @@
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
   blas_backends (not in the default parts): F.linear at the model's projections (and lm_head) at 1, 64 and 8192
             tokens through cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating.
-  norms (not in the default parts): the GDN output norm and the PLE's grouped norm, compiled against the Triton
-            passes (ops/triton_norm.py, triton_hc.hc_prenorm) at 64-8192 tokens.
+  norms (not in the default parts): the GDN output norm, the PLE's grouped norm and the grouped experts' silu_mul
+            (10 pairs a token), compiled against the Triton passes (ops/triton_norm.py, triton_hc.hc_prenorm,
+            triton_moe.silu_mul_halves) at 64-8192 tokens.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -616,6 +617,7 @@ def bench_norms(results, token_counts=(64, 256, 512, 8192), dev="cuda"):
     PLE's grouped norm ([T, 4 x 2560], 3 calls a step): compiled (what the model ran before) against the Triton passes,
     alternating; the threshold ops.norm.TRITON_NORM_MIN_TOKENS follows from it."""
     from qwen4exp.ops import norm, triton_hc, triton_norm
+    from qwen4exp.ops.triton_moe import silu_mul_halves
 
     dt = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -628,7 +630,10 @@ def bench_norms(results, token_counts=(64, 256, 512, 8192), dev="cuda"):
         streams = torch.randn(tokens, 4 * 2560, device=dev, generator=g).to(dt)
         sw = (torch.randn(4 * 2560, device=dev, generator=g) * 0.1).to(dt)
         row = dict(tokens=tokens)
+        h = torch.randn(10 * tokens, 1280, device=dev, generator=g).to(dt)  # the grouped experts' gate/up output
         variants = {
+            "silu_mul_compiled": lambda: silu_mul(*h.chunk(2, dim=-1)),
+            "silu_mul_triton": lambda: silu_mul_halves(h),
             "gated_compiled": lambda: norm.gated_rms_norm(x, z, w, 1e-6, "sigmoid"),
             "gated_triton": lambda: triton_norm.gated_rms_norm(x, z, w, 1e-6, "sigmoid"),
             "grouped_compiled": lambda: norm.rms_norm(streams, sw, 1e-6, 2560),
@@ -643,10 +648,10 @@ def bench_norms(results, token_counts=(64, 256, 512, 8192), dev="cuda"):
                                    - variants["grouped_triton"]().float()).abs().max().item()
         rows.append(row)
         us = {k: round(min(v), 2) for k, v in row.items() if k.endswith("_us")}
-        saves = 36 * (us["gated_compiled_us"] - us["gated_triton_us"])
-        print(f"norms T={tokens}: {us}; per step: gated saves {saves:.0f} "
-              f"us, grouped {3 * (us['grouped_compiled_us'] - us['grouped_triton_us']):.0f} us; max |diff| gated "
-              f"{row['gated_max_diff']:.3g}, grouped {row['grouped_max_diff']:.3g}", flush=True)
+        saves = {name: calls * (us[name + "_compiled_us"] - us[name + "_triton_us"])
+                 for name, calls in (("gated", 36), ("silu_mul", 48), ("grouped", 3))}
+        print(f"norms T={tokens}: {us}; us saved per step: " + ", ".join(f"{k} {v:.0f}" for k, v in saves.items())
+              + f"; max |diff| gated {row['gated_max_diff']:.3g}, grouped {row['grouped_max_diff']:.3g}", flush=True)
     results["norms"] = rows
 
 
