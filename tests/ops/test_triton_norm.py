@@ -63,16 +63,18 @@ def test_dispatchers_take_the_kernels_from_the_token_threshold(dtype, monkeypatc
     for module, name in ((triton_hc, "hc_prenorm"), (triton_norm, "gated_rms_norm")):
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    # the dispatchers take tensors where the kernels run (the GPU when there is one, else the interpreter)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(9)
     groups, size = 4, 32
     for tokens in (7, 8):
         x = (torch.randn(tokens, groups * size, generator=g) * torch.tensor([1.0, 4, 0.5, 9]).repeat_interleave(size)
-             ).to(dtype)
-        w = (torch.randn(groups * size, generator=g) * 0.1).to(dtype)
+             ).to(dev, dtype)
+        w = (torch.randn(groups * size, generator=g) * 0.1).to(dev, dtype)
         torch.testing.assert_close(norm.rms_norm_op(x, w, 1e-6, size).float(),
                                    norm.rms_norm.eager(x, w, 1e-6, size).float(), **_tolerance(dtype))
-        xg, gate = (torch.randn(tokens, 3, size, generator=g).to(dtype) for _ in range(2))
-        wg = torch.rand(size, generator=g).to(dtype)
+        xg, gate = (torch.randn(tokens, 3, size, generator=g).to(dev, dtype) for _ in range(2))
+        wg = torch.rand(size, generator=g).to(dev, dtype)
         torch.testing.assert_close(norm.gated_rms_norm_op(xg, gate, wg, 1e-6, "silu").float(),
                                    norm.gated_rms_norm.eager(xg, gate, wg, 1e-6, "silu").float(), **_tolerance(dtype))
     assert calls == ["hc_prenorm", "gated_rms_norm"], calls
