@@ -15,9 +15,10 @@ gated_rms_norm = on_device(gated_rms_norm)
 
 
 def _tolerance(dtype):
-    # bf16: an ulp where the fp32 sums of squares (reduced in another order) or the interpreter's truncating casts
-    # differ; no more
-    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-6)
+    # bf16: an ulp of the normalised value where rstd differs in its last fp32 bits (sums of squares reduced in
+    # another order, the GPU's approximate rsqrt against eager's) grows to at most two ulps of the output through
+    # the weight and gate products (seen once in 672 values on the H200); the interpreter truncates its casts
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
