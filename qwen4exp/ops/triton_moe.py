@@ -462,9 +462,11 @@ def fused_moe(
     topk_weights: torch.Tensor,
     config: MoEConfig | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """Same contract as `qwen4exp.ops.moe.moe_experts` (see the module docstring); graph-capturable. With
-    `shared` = (shared expert output [N, H], its gate logit [N, 1]), adds sigmoid(logit) * output."""
+    `shared` = (shared expert output [N, H], its gate logit [N, 1]), adds sigmoid(logit) * output; when
+    `shared_stream` is given the output is being written there, and the sum waits for it."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -473,6 +475,8 @@ def fused_moe(
     assert gate_up.shape == (num_experts, 2 * inter, hidden) and down.shape == (num_experts, hidden, inter)
     assert topk_ids.shape == topk_weights.shape == (num_tokens, top_k)
     if num_pairs == 0:
+        if shared_stream is not None:
+            torch.cuda.current_stream(x.device).wait_stream(shared_stream)
         return torch.zeros_like(x)
     if config is None:
         config = get_config(num_tokens, num_experts, top_k, hidden, inter)
@@ -517,6 +521,8 @@ def fused_moe(
         EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
+    if shared_stream is not None:
+        torch.cuda.current_stream(x.device).wait_stream(shared_stream)
     return sum_pairs(out_pairs, top_k, shared=shared)
 
 
