@@ -29,6 +29,9 @@
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
   blas_backends (not in the default parts): F.linear at the model's projections (and lm_head) at 1, 64 and 8192
             tokens through cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating.
+  norms (not in the default parts): the GDN output norm, the PLE's grouped norm and the grouped experts' silu_mul
+            (10 pairs a token), compiled against the Triton passes (ops/triton_norm.py, triton_hc.hc_prenorm,
+            triton_moe.silu_mul_halves) at 64-8192 tokens.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -609,6 +612,49 @@ def bench_blas_backends(results, shapes=LAYOUT_SHAPES + (("lm_head", 151936, 256
     results["blas_backends"] = rows
 
 
+def bench_norms(results, token_counts=(64, 256, 512, 8192), dev="cuda"):
+    """The GDN output norm ([T, 48, 128], the gate a strided view of the in_proj output, 36 calls a step) and the
+    PLE's grouped norm ([T, 4 x 2560], 3 calls a step): compiled (what the model ran before) against the Triton passes,
+    alternating; the threshold ops.norm.TRITON_NORM_MIN_TOKENS follows from it."""
+    from qwen4exp.ops import norm, triton_hc, triton_norm
+    from qwen4exp.ops.triton_moe import silu_mul_halves
+
+    dt = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for tokens in token_counts:
+        proj = torch.randn(tokens, 16480, device=dev, generator=g).to(dt)
+        x = torch.randn(tokens, 48, 128, device=dev, generator=g).to(dt)
+        z = proj[:, 6144 + 4096: 6144 + 4096 + 6144].reshape(tokens, 48, 128)
+        w = (torch.rand(128, device=dev, generator=g) + 0.5).to(dt)
+        streams = torch.randn(tokens, 4 * 2560, device=dev, generator=g).to(dt)
+        sw = (torch.randn(4 * 2560, device=dev, generator=g) * 0.1).to(dt)
+        row = dict(tokens=tokens)
+        h = torch.randn(10 * tokens, 1280, device=dev, generator=g).to(dt)  # the grouped experts' gate/up output
+        variants = {
+            "silu_mul_compiled": lambda: silu_mul(*h.chunk(2, dim=-1)),
+            "silu_mul_triton": lambda: silu_mul_halves(h),
+            "gated_compiled": lambda: norm.gated_rms_norm(x, z, w, 1e-6, "sigmoid"),
+            "gated_triton": lambda: triton_norm.gated_rms_norm(x, z, w, 1e-6, "sigmoid"),
+            "grouped_compiled": lambda: norm.rms_norm(streams, sw, 1e-6, 2560),
+            "grouped_triton": lambda: triton_hc.hc_prenorm(streams, sw, 1e-6, 4)[1],
+        }
+        for _ in range(2):
+            for name, fn in variants.items():
+                row.setdefault(name + "_us", []).append(per_call_us(fn, calls=36 if tokens <= 512 else 8))
+        row["gated_max_diff"] = (variants["gated_compiled"]().float()
+                                 - variants["gated_triton"]().float()).abs().max().item()
+        row["grouped_max_diff"] = (variants["grouped_compiled"]().float()
+                                   - variants["grouped_triton"]().float()).abs().max().item()
+        rows.append(row)
+        us = {k: round(min(v), 2) for k, v in row.items() if k.endswith("_us")}
+        saves = {name: calls * (us[name + "_compiled_us"] - us[name + "_triton_us"])
+                 for name, calls in (("gated", 36), ("silu_mul", 48), ("grouped", 3))}
+        print(f"norms T={tokens}: {us}; us saved per step: " + ", ".join(f"{k} {v:.0f}" for k, v in saves.items())
+              + f"; max |diff| gated {row['gated_max_diff']:.3g}, grouped {row['grouped_max_diff']:.3g}", flush=True)
+    results["norms"] = rows
+
+
 def bench_moe_tiles(results, tokens=64, check_tokens=(16, 32, 64, 128, 256)):
     from qwen4exp.ops.triton_moe import MoEConfig, Tile, fused_moe, get_config
 
@@ -717,7 +763,7 @@ def main():
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
-             "blas_backends": bench_blas_backends}
+             "blas_backends": bench_blas_backends, "norms": bench_norms}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

@@ -4,7 +4,6 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops.norm import gated_rms_norm
 from ..ops.rotary import rope_cos_sin
 
 
@@ -18,7 +17,7 @@ class RMSNorm(nn.Module):
         self.group_size = group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.norm.rms_norm(x, self.weight, self.eps, self.group_size)
+        return ops.norm.rms_norm_op(x, self.weight, self.eps, self.group_size)
 
 
 class GatedRMSNorm(nn.Module):
@@ -31,7 +30,7 @@ class GatedRMSNorm(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps, self.activation)
+        return ops.norm.gated_rms_norm_op(x, gate, self.weight, self.eps, self.activation)
 
 
 class RotaryEmbedding(nn.Module):

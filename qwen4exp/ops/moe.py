@@ -97,7 +97,30 @@ def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None) ->
 
     if topk_ids.numel() <= PAIRWISE_MAX_PAIRS:
         return pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared_expert=shared_expert)
-    return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())
+    if shared_expert is None or not x.is_cuda:
+        return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())
+    shared, side = shared_expert_on_side_stream(shared_expert)
+    return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared, shared_stream=side)
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def shared_expert_on_side_stream(shared_expert):
+    """The shared expert's silu_mul and down projection, launched on a side stream so that they run beside the
+    routed experts' weight-bound launches instead of before them (a few small kernels a layer at decode sizes;
+    stream forks and joins are captured by CUDA graphs). Returns ((output [N, H], logit), the side stream): the
+    output is allocated on the compute stream, which must wait on the side stream before reading it."""
+    gate, up, down_weight, logit = shared_expert
+    main = torch.cuda.current_stream(gate.device)
+    side = _side_streams.setdefault(gate.device, torch.cuda.Stream(gate.device))
+    out = torch.empty(gate.shape[0], down_weight.shape[0], dtype=gate.dtype, device=gate.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        # silu_mul's result is allocated and freed on the side stream; the inputs outlive the join (the caller
+        # holds them until moe_experts returns)
+        torch.mm(silu_mul(gate, up), down_weight.t(), out=out)
+    return (out, logit), side
 
 
 def kernel_variant(num_tokens: int, num_experts: int, top_k: int) -> tuple:

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_gdn import _round_to_bf16 as _round_bf16
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Alignment
@@ -460,9 +462,11 @@ def fused_moe(
     topk_weights: torch.Tensor,
     config: MoEConfig | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """Same contract as `qwen4exp.ops.moe.moe_experts` (see the module docstring); graph-capturable. With
-    `shared` = (shared expert output [N, H], its gate logit [N, 1]), adds sigmoid(logit) * output."""
+    `shared` = (shared expert output [N, H], its gate logit [N, 1]), adds sigmoid(logit) * output; when
+    `shared_stream` is given the output is being written there, and the sum waits for it."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -471,6 +475,8 @@ def fused_moe(
     assert gate_up.shape == (num_experts, 2 * inter, hidden) and down.shape == (num_experts, hidden, inter)
     assert topk_ids.shape == topk_weights.shape == (num_tokens, top_k)
     if num_pairs == 0:
+        if shared_stream is not None:
+            torch.cuda.current_stream(x.device).wait_stream(shared_stream)
         return torch.zeros_like(x)
     if config is None:
         config = get_config(num_tokens, num_experts, top_k, hidden, inter)
@@ -515,7 +521,43 @@ def fused_moe(
         EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
+    if shared_stream is not None:
+        torch.cuda.current_stream(x.device).wait_stream(shared_stream)
     return sum_pairs(out_pairs, top_k, shared=shared)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, N, inter, stride_g, stride_o,
+                     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    m = (rows < N)[:, None] & (cols < inter)[None, :]
+    g = tl.load(gu_ptr + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + rows[:, None] * stride_g + (inter + cols)[None, :], mask=m, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # as eager rounds: silu to the model dtype, then the product
+    if BF16:
+        act = _round_bf16(g * tl.sigmoid(g))
+        y = _round_bf16(act * u)
+    else:
+        act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
+        y = act * u
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y.to(dtype), mask=m)
+
+
+def silu_mul_halves(gate_up: torch.Tensor, block_n: int = 32, block_i: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """silu(gate) * up for gate, up = gate_up.chunk(2, -1) ([N, 2I], rows possibly strided): `ops.moe.silu_mul`'s
+    rounding, in one pass that reads each half once (the grouped experts' activation at prefill sizes)."""
+    N, two_i = gate_up.shape
+    inter = two_i // 2
+    assert gate_up.stride(1) == 1 and two_i % 2 == 0
+    out = torch.empty(N, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if N:
+        _silu_mul_kernel[(triton.cdiv(N, block_n), triton.cdiv(inter, block_i))](
+            gate_up, out, N, inter, gate_up.stride(0), out.stride(0),
+            BLOCK_N=block_n, BLOCK_I=block_i, BF16=gate_up.dtype == torch.bfloat16, num_warps=num_warps,
+        )
+    return out
 
 
 @triton.jit

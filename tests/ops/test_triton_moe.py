@@ -241,3 +241,59 @@ def test_pairwise_moe_computes_the_shared_expert(dtype, n, k, shared_inter):
     ref = moe_block_ref(x, gate_up, down, ids, weights, (torch.nn.functional.linear(silu_mul(sg, su), sw), logit))
     assert out.dtype == dtype and out.shape == (n, 64)
     assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_halves_matches_eager_silu_mul(dtype):
+    """The grouped experts' activation: silu of the first half times the second, rounded as eager rounds (bf16
+    bit for bit), from rows of a wider buffer, with row and column tails."""
+    from qwen4exp.ops.moe import silu_mul
+    from qwen4exp.ops.triton_moe import silu_mul_halves
+
+    g = torch.Generator().manual_seed(4)
+    buf = (torch.randn(45, 2 * 200 + 24, generator=g) * 3).to(dtype)
+    gate_up = buf[:, : 2 * 200]
+    out = on_device(silu_mul_halves)(gate_up)
+    ref = silu_mul(*gate_up.chunk(2, dim=-1))
+    assert out.shape == (45, 200) and out.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert (out != ref).float().mean() < 1e-2  # an ulp where the exp differs, never a skipped rounding
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams need a GPU")
+def test_shared_expert_on_a_side_stream_is_joined_eagerly_and_in_graphs():
+    """At decode sizes `moe_experts` runs the shared expert on a side stream beside the routed experts: the result
+    equals computing it in line bit for bit, eagerly and replayed from a CUDA graph with new inputs (an output read
+    before the side stream wrote it would differ; an unjoined side stream fails the capture)."""
+    from qwen4exp.ops import moe
+    from qwen4exp.ops.triton_moe import fused_moe as fused_in_line
+
+    n, h, i, e, k, si = 64, 256, 128, 32, 4, 96
+    g = torch.Generator().manual_seed(11)
+    x, gate_up, down, ids, weights = (t.cuda() for t in _problem(n, h, i, e, k, torch.bfloat16, seed=11))
+    gate, up = (torch.randn(n, si, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    shared_down = (torch.randn(h, si, generator=g) / si**0.5).to("cuda", torch.bfloat16)
+    logit = torch.randn(n, 1, generator=g).to("cuda", torch.bfloat16)
+
+    def in_line():
+        shared_out = torch.mm(moe.silu_mul(gate, up), shared_down.t())
+        return fused_in_line(x, gate_up, down, ids, weights, shared=(shared_out, logit))
+
+    def side():
+        return moe.moe_experts(x, gate_up, down, ids, weights, shared_expert=(gate, up, shared_down, logit))
+
+    assert torch.equal(side(), in_line())
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        side()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = side()
+    for t in (x, gate, up, logit):
+        t.copy_(torch.randn(t.shape, generator=g).to("cuda", torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, in_line())
