@@ -18,7 +18,8 @@ def write_report(results: dict, out_dir: str) -> str:
              f"One {env.get('gpu', 'GPU')}, torch {env.get('torch')}, triton {env.get('triton')}, "
              f"transformers {hf.get('transformers', 'n/a')}. Model: `flash-next-128e` random weights in bf16 "
              "(`load_format=\"dummy\"`); transformers runs the very same weight tensors in the same process.",
-             "Produced by `python bench/h200_suite.py --out OUT` (results.json holds every raw number).", ""]
+             "Produced by `python bench/h200_suite.py --out OUT` (results.json holds every raw number). Step token "
+             f"budget: {ours.get('max_num_batched_tokens', 'n/a')} (the device's default for `LLM`).", ""]
     b1 = ours.get("decode_b1", {})
     p8, p32 = ours.get("prefill_8k", {}), ours.get("prefill_32k", {})
     conc = ours.get("concurrency", {})
