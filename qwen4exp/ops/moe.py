@@ -76,8 +76,9 @@ def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None) ->
     (gate [N, Is], up [N, Is], down weight [H, Is], logit [N, 1]) (gate, up and logit: the router GEMM's outputs).
 
     Dispatch: Triton fused MoE for small batches (graph-capturable), torch grouped GEMM for large ones; on the GPU
-    the gated shared expert is added in the kernel that sums each token's experts, and at decode sizes its down
-    projection runs in the routed experts' launch too."""
+    the gated shared expert is added in the kernel that sums each token's experts; up to PAIRWISE_MAX_PAIRS pairs
+    its down projection runs in the routed experts' launch, and on the fused path its silu_mul and down projection
+    run on a side stream beside the routed experts."""
     from . import fast_path
 
     def shared_output():
@@ -97,7 +98,7 @@ def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None) ->
 
     if topk_ids.numel() <= PAIRWISE_MAX_PAIRS:
         return pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared_expert=shared_expert)
-    if shared_expert is None or not x.is_cuda:
+    if shared_expert is None or not x.is_cuda:  # (tests run the fast path on the CPU in Triton's interpreter)
         return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())
     shared, side = shared_expert_on_side_stream(shared_expert)
     return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared, shared_stream=side)
