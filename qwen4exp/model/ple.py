@@ -98,15 +98,13 @@ class NGramPrefetch:
     and join are stream waits, which CUDA graphs capture.
     """
 
-    _side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
     def __init__(self, embeddings: dict[int, NGramEmbedding], shifted: torch.Tensor, dtype: torch.dtype):
         self._joined = True
         if not shifted.is_cuda:
             self._rows = {i: e.rows(e.ids(shifted), dtype) for i, e in embeddings.items()}
             return
         main = torch.cuda.current_stream(shifted.device)
-        side = self._side_streams.setdefault(shifted.device, torch.cuda.Stream(shifted.device))
+        side = ops.side_stream(shifted.device, "ngram_prefetch")
         # outputs belong to the compute stream, which reads them only after joining the side stream
         self._rows = {i: torch.empty(shifted.shape[0], e.embed_dim,
                                      dtype=dtype, device=shifted.device) for i, e in embeddings.items()}

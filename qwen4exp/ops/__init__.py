@@ -65,6 +65,19 @@ def _static_signature(args, kwargs, token_dim: int) -> tuple:
     return tuple(key) + tuple(kwargs)
 
 
+_side_streams: dict[tuple[torch.device, str], "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device, purpose: str) -> "torch.cuda.Stream":
+    """One CUDA stream per (device, purpose), created on first use, for work that overlaps the compute stream.
+    Forks and joins are stream waits, which CUDA graphs capture."""
+    key = (torch.device(device), purpose)
+    stream = _side_streams.get(key)
+    if stream is None:
+        stream = _side_streams[key] = torch.cuda.Stream(key[0])
+    return stream
+
+
 _compile_disabled = os.environ.get("QWEN4EXP_NO_COMPILE", "0") == "1"
 
 

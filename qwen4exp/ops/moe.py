@@ -104,17 +104,16 @@ def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None) ->
     return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared, shared_stream=side)
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def shared_expert_on_side_stream(shared_expert):
     """The shared expert's silu_mul and down projection, launched on a side stream so that they run beside the
     routed experts' weight-bound launches instead of before them (a few small kernels a layer at decode sizes;
     stream forks and joins are captured by CUDA graphs). Returns ((output [N, H], logit), the side stream): the
     output is allocated on the compute stream, which must wait on the side stream before reading it."""
+    from . import side_stream
+
     gate, up, down_weight, logit = shared_expert
     main = torch.cuda.current_stream(gate.device)
-    side = _side_streams.setdefault(gate.device, torch.cuda.Stream(gate.device))
+    side = side_stream(gate.device, "shared_expert")
     out = torch.empty(gate.shape[0], down_weight.shape[0], dtype=gate.dtype, device=gate.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):

@@ -44,6 +44,15 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def _round_to(x, dtype: tl.constexpr, BF16: tl.constexpr):
+    """x (fp32) rounded to the model dtype, kept in fp32 (bf16 by hand: the interpreter's casts truncate)."""
+    if BF16:
+        return _round_to_bf16(x)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _token_step(
     state, tok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt,
     stride_ot, q_off, k_off, v_off, g_off, b_off, o_off, offs_k, offs_v, scale, neg_decay_rate, dt_bias,

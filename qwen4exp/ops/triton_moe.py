@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_gdn import _round_to_bf16 as _round_bf16
+from .triton_gdn import _round_to
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -475,8 +475,7 @@ def fused_moe(
     assert gate_up.shape == (num_experts, 2 * inter, hidden) and down.shape == (num_experts, hidden, inter)
     assert topk_ids.shape == topk_weights.shape == (num_tokens, top_k)
     if num_pairs == 0:
-        if shared_stream is not None:
-            torch.cuda.current_stream(x.device).wait_stream(shared_stream)
+        _join(shared_stream)
         return torch.zeros_like(x)
     if config is None:
         config = get_config(num_tokens, num_experts, top_k, hidden, inter)
@@ -521,9 +520,14 @@ def fused_moe(
         EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
-    if shared_stream is not None:
-        torch.cuda.current_stream(x.device).wait_stream(shared_stream)
+    _join(shared_stream)
     return sum_pairs(out_pairs, top_k, shared=shared)
+
+
+def _join(stream: torch.cuda.Stream | None) -> None:
+    """The current stream waits for `stream`'s work so far (nothing for None)."""
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 @triton.jit
@@ -536,12 +540,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, inter, stride_g, stride_o,
     u = tl.load(gu_ptr + rows[:, None] * stride_g + (inter + cols)[None, :], mask=m, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     # as eager rounds: silu to the model dtype, then the product
-    if BF16:
-        act = _round_bf16(g * tl.sigmoid(g))
-        y = _round_bf16(act * u)
-    else:
-        act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
-        y = act * u
+    act = _round_to(g * tl.sigmoid(g), dtype, BF16)
+    y = _round_to(act * u, dtype, BF16)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y.to(dtype), mask=m)
 
 

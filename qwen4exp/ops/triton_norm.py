@@ -10,16 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_gdn import _round_to_bf16
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, BF16: tl.constexpr):
-    """x (fp32) rounded to the model dtype, kept in fp32 (bf16 by hand: the interpreter's casts truncate)."""
-    if BF16:
-        return _round_to_bf16(x)
-    else:
-        return x.to(dtype).to(tl.float32)
+from .triton_gdn import _round_to
 
 
 @triton.jit
@@ -37,15 +28,15 @@ def _gated_rms_norm_kernel(
     x = tl.load(x_ptr + (t * stride_xt + h * stride_xh)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    normed = _round(x * rstd[:, None], dtype, BF16)
+    normed = _round_to(x * rstd[:, None], dtype, BF16)
     y = tl.load(w_ptr + d).to(tl.float32)[None, :] * normed
     if ROUND_PRODUCT:  # weight and normed value share the model dtype: the eager product is rounded to it
-        y = _round(y, dtype, BF16)
+        y = _round_to(y, dtype, BF16)
     g = tl.load(gate_ptr + (t * stride_gt + h * stride_gh)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     g = g.to(tl.float32)
     act = g * tl.sigmoid(g) if SILU else tl.sigmoid(g)
     tl.store(out_ptr + (t * stride_ot + h * stride_oh)[:, None] + d[None, :],
-             _round(y * act, dtype, BF16).to(dtype), mask=ok[:, None])
+             _round_to(y * act, dtype, BF16).to(dtype), mask=ok[:, None])
 
 
 def supported(x: torch.Tensor, gate: torch.Tensor) -> bool:
