@@ -32,6 +32,8 @@
   norms (not in the default parts): the GDN output norm, the PLE's grouped norm and the grouped experts' silu_mul
             (10 pairs a token), compiled against the Triton passes (ops/triton_norm.py, triton_hc.hc_prenorm,
             triton_moe.silu_mul_halves) at 64-8192 tokens.
+  route_big (not in the default parts): the one-warp-per-token router kernel against the compiled softmax + topk
+            at 64-16384 tokens.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -753,6 +755,31 @@ def bench_gdn_warps(results, batch=64, layers=36):
     results["gdn_warps"] = rows
 
 
+def bench_route_big(results, token_counts=(64, 256, 1024, 4096, 16384), dev="cuda"):
+    """The router (softmax + top-10 of 128 + renormalisation) at prefill sizes: the one-warp-per-token Triton kernel
+    against the compiled reference (softmax, torch.topk, the renormalisation), 48 calls a graph."""
+    from qwen4exp.ops.moe import route_ref
+    from qwen4exp.ops.triton_moe import route_triton
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for tokens in token_counts:
+        logits = torch.randn(tokens, 128, device=dev, generator=g).to(torch.bfloat16)
+        ref_w, ref_ids = route_ref(logits, 10, True)
+        row = {"tokens": tokens, "ref_us": per_call_us(lambda: route_ref(logits, 10, True), calls=48)}
+        for warps in (1, 2, 4):
+            w, ids = route_triton(logits, 10, True, num_warps=warps)
+            row[f"warps{warps}_us"] = per_call_us(lambda: route_triton(logits, 10, True, num_warps=warps), calls=48)
+            # bf16 logits tie often; the kernel takes the lowest index among equals, torch.topk any of them
+            row[f"warps{warps}_ids_equal_frac"] = (ids == ref_ids).all(-1).float().mean().item()
+            row[f"warps{warps}_same_sets_frac"] = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float(
+            ).mean().item()
+            row[f"warps{warps}_weights_maxdiff"] = (w.float() - ref_w.float()).abs().max().item()
+        print("route_big", row, flush=True)
+        rows.append(row)
+    results["route_big"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -763,7 +790,8 @@ def main():
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
-             "blas_backends": bench_blas_backends, "norms": bench_norms}
+             "blas_backends": bench_blas_backends, "norms": bench_norms,
+             "route_big": bench_route_big}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

@@ -49,12 +49,16 @@ def hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, r
 def hc_mix_normed(normed, w_down_inject, w_up, hc: int, rank: int, inject: bool):
     """`hc_mix_ref` after the norm: normed [T, hc*H] (the per-stream RMSNorm of the streams, in their dtype)."""
     hidden = normed.shape[-1] // hc
-    down_inject = F.linear(normed, w_down_inject)
-    gate = torch.sigmoid(F.linear(F.silu(down_inject[:, :rank] / hc), w_up))
+    scaled = F.linear(normed, w_down_inject) / hc
+    # silu for the rank columns, 2 sigmoid for the inject columns: one elementwise pass (inductor made two kernels of
+    # the two slices, each a launch per mix at decode); the extra columns' values are computed and not read
+    columns = torch.arange(scaled.shape[-1], device=scaled.device)
+    activated = torch.where(columns < rank, F.silu(scaled), 2 * torch.sigmoid(scaled))
+    gate = torch.sigmoid(F.linear(activated[:, :rank], w_up))
     mixed = (gate * normed).unflatten(-1, (hc, hidden)).mean(dim=-2)
     if not inject:
         return mixed, None
-    return mixed, 2 * torch.sigmoid(down_inject[:, rank: rank + hc] / hc)
+    return mixed, activated[:, rank: rank + hc]
 
 
 @compiled_on_gpu

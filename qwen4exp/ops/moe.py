@@ -16,16 +16,14 @@ def route_ref(logits, top_k: int, renormalize: bool):
     return weights.to(logits.dtype), ids
 
 
-# Above this many tokens torch's topk (radix select) beats one program per token scanning its row k times.
-ROUTE_TRITON_MAX_TOKENS = 256
-
-
 def route(logits, top_k: int, renormalize: bool):
-    """Dispatch: at decode sizes on the GPU one fused Triton launch (inductor leaves softmax, topk's two kernels
-    and the renormalisation separate)."""
+    """Dispatch: on the GPU one fused Triton launch, a warp per token (inductor leaves softmax, topk's two kernels
+    and the renormalisation separate). At 128 experts, top-10, on an H200 it takes 3.0 / 8.8 / 29 us at
+    64 / 4096 / 16384 tokens against the compiled reference's 17.5 / 45 / 137 us (`bench/decode_kernels.py --parts
+    route_big`)."""
     from . import fast_path
 
-    if fast_path(logits) and logits.shape[0] <= ROUTE_TRITON_MAX_TOKENS and logits.shape[-1] <= 4096:
+    if fast_path(logits) and logits.shape[-1] <= 4096:
         from .triton_moe import route_triton
 
         return route_triton(logits, top_k, renormalize)

@@ -117,3 +117,34 @@ def test_prenorm_reads_strided_rows():
     ref_new = hc_combine.eager(streams, block_out, inject)
     torch.testing.assert_close(new, ref_new, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(normed, rms_norm.eager(ref_new, norm_w, 1e-6, hidden), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inject", [True, False])
+def test_mix_activates_rank_and_inject_columns_like_separate_slices(dtype, inject):
+    """hc_mix_normed activates the down projection's output in one pass (silu on the rank columns, 2 sigmoid on the
+    inject columns, padding columns ignored); it equals the model's formula on the two slices: bit for bit in bf16,
+    within an ulp in fp32 (the CPU's vectorised and scalar sigmoid differ in the last bit)."""
+    import torch.nn.functional as F
+
+    from qwen4exp.ops.hyper_connection import hc_mix_normed
+
+    hc, hidden, rank, tokens = 4, 48, 20, 5
+    g = torch.Generator().manual_seed(3)
+    normed = torch.randn(tokens, hc * hidden, generator=g).to(dtype)
+    rows = rank + (hc if inject else 0)
+    w_di = torch.zeros(rows + (-rows) % 8, hc * hidden, dtype=dtype)
+    w_di[:rows] = (torch.randn(rows, hc * hidden, generator=g) / (hc * hidden) ** 0.5 * 8).to(dtype)
+    w_up = (torch.randn(hc * hidden, rank, generator=g) / rank**0.5).to(dtype)
+
+    down = F.linear(normed, w_di)
+    gate = torch.sigmoid(F.linear(F.silu(down[:, :rank] / hc), w_up))
+    want_mixed = (gate * normed).unflatten(-1, (hc, hidden)).mean(dim=-2)
+    mixed, inj = hc_mix_normed.eager(normed, w_di, w_up, hc, rank, inject)
+    same = torch.equal if dtype == torch.bfloat16 else (
+        lambda a, b: torch.allclose(a, b, rtol=2e-7, atol=0) and a.dtype == b.dtype)
+    assert same(mixed, want_mixed)
+    if inject:
+        assert same(inj, 2 * torch.sigmoid(down[:, rank: rank + hc] / hc))
+    else:
+        assert inj is None
