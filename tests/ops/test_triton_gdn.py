@@ -274,9 +274,11 @@ def test_varlen_matches_reference_per_request(lengths, hk, hv, dk, dv, dtype, ra
 
 
 def test_varlen_equals_uniform_tokens_per_request():
-    """With every request bringing L tokens, the varlen launch computes exactly what the L-token launch does."""
+    """With every request bringing L tokens, the varlen launch computes exactly what the L-token launch does. The
+    padding rows share the null slot 0 (garbage by contract: on a GPU their programs race on it), so only the real
+    requests' outputs and slots are compared."""
     L, hk, hv, dk, dv = 3, 1, 2, 16, 16
-    slots, has_init, _ = _batch()
+    slots, has_init, real = _batch()
     B = slots.numel()
     q, k, v, g, beta, state = _inputs(B, L, hk, hv, dk, dv, torch.bfloat16, seed=5)
     state[slots[1]] = float("nan")
@@ -284,5 +286,6 @@ def test_varlen_equals_uniform_tokens_per_request():
     uniform = fused_recurrent_gated_delta_rule(q, k, v, g, beta, uniform_state, slots, has_init, L)
     qsl = torch.arange(B + 1, dtype=torch.int32) * L
     varlen = fused_recurrent_gated_delta_rule(q, k, v, g, beta, varlen_state, slots, has_init, query_start_loc=qsl)
-    assert torch.equal(uniform, varlen)
-    assert torch.equal(uniform_state.nan_to_num(), varlen_state.nan_to_num())
+    rows = real.repeat_interleave(L)
+    assert torch.equal(uniform[rows], varlen[rows])
+    assert torch.equal(uniform_state[1:].nan_to_num(), varlen_state[1:].nan_to_num())
