@@ -67,7 +67,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return out.reshape(shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # rows vary with the step's tokens: one compile for all
 def _rms_norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
     R, HEADS, eps,
