@@ -34,6 +34,9 @@
             triton_moe.silu_mul_halves) at 64-8192 tokens.
   route_big (not in the default parts): the one-warp-per-token router kernel against the compiled softmax + topk
             at 64-16384 tokens.
+  norm_rope (not in the default parts): the attention's per-head norm + rotation, compiled (two kernels) against
+            the Triton pass, for the query, key and indexer query at 1-16384 tokens; the output gate on a reshaped
+            (copied) gate against its view.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -755,6 +758,42 @@ def bench_gdn_warps(results, batch=64, layers=36):
     results["gdn_warps"] = rows
 
 
+def bench_norm_rope(results, token_counts=(1, 64, 8192, 16384), dev="cuda"):
+    """The attention's per-head norm + partial rotation (query [T, 24, 256] as a view of q_proj's packed heads, key
+    [T, 2, 256], indexer query [T, 4, 128]; 64 rotated dims): the compiled norm then the compiled rotation against
+    `triton_norm.rms_norm_rope`, 12 layers' worth of calls a graph; and the output gate with the gate reshaped (a
+    copy) against the gate passed as its [T, heads, D] view."""
+    from qwen4exp.ops.attention import gate_output
+    from qwen4exp.ops.norm import rms_norm
+    from qwen4exp.ops.rotary import apply_rope, rope_cos_sin
+    from qwen4exp.ops.triton_norm import rms_norm_rope
+
+    dt = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, 64, 2, dtype=torch.float, device=dev) / 64))
+    rows = []
+    for tokens in token_counts:
+        cos, sin = rope_cos_sin(torch.arange(tokens, device=dev), inv_freq, dt)
+        row = {"tokens": tokens}
+        for name, heads, d, packed in (("q", 24, 256, 2), ("k", 2, 256, 1), ("index_q", 4, 128, 1)):
+            x = torch.randn(tokens, heads, packed * d, device=dev, generator=g).to(dt)[..., :d]
+            w = (torch.randn(d, device=dev, generator=g) * 0.1).to(dt)
+            calls = 12
+            two = per_call_us(lambda: apply_rope(rms_norm(x, w, 1e-6), cos, sin), calls=calls)
+            one = per_call_us(lambda: rms_norm_rope(x, w, 1e-6, cos, sin), calls=calls)
+            a, b = apply_rope(rms_norm(x, w, 1e-6), cos, sin), rms_norm_rope(x, w, 1e-6, cos, sin)
+            row[name] = dict(compiled_us=two, triton_us=one, equal_frac=(a == b).float().mean().item(),
+                             max_abs_diff=(a.float() - b.float()).abs().max().item())
+        out = torch.randn(tokens, 24, 256, device=dev, generator=g).to(dt)
+        gate = torch.randn(tokens, 24, 512, device=dev, generator=g).to(dt)[..., 256:]
+        row["gate_reshaped_us"] = per_call_us(lambda: gate_output(out.reshape(tokens, -1), gate.reshape(tokens, -1)),
+                                              calls=12)
+        row["gate_view_us"] = per_call_us(lambda: gate_output(out, gate).reshape(tokens, -1), calls=12)
+        print("norm_rope", row, flush=True)
+        rows.append(row)
+    results["norm_rope"] = rows
+
+
 def bench_route_big(results, token_counts=(64, 256, 1024, 4096, 16384), dev="cuda"):
     """The router (softmax + top-10 of 128 + renormalisation) at prefill sizes: the one-warp-per-token Triton kernel
     against the compiled reference (softmax, torch.topk, the renormalisation), 48 calls a graph."""
@@ -791,7 +830,7 @@ def main():
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
-             "route_big": bench_route_big}
+             "route_big": bench_route_big, "norm_rope": bench_norm_rope}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

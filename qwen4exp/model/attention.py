@@ -32,7 +32,8 @@ class QSAIndexer(nn.Module):
         """qk: index_qk_proj(x) [T, (Hi+1)*Di]. Returns the selected logical token indices [T, budget + C - 1]
         (-1 padded), or None when every context is short enough for all of it to be selected (dense)."""
         q = qk[:, : self.n_heads * self.head_dim]  # the raw key, the rest, is already in the cache (Attention)
-        q = ops.rotary.apply_rope(self.q_layernorm(q.reshape(-1, self.n_heads, self.head_dim)), cos, sin)
+        norm = self.q_layernorm
+        q = ops.rotary.norm_rope(q.reshape(-1, self.n_heads, self.head_dim), norm.weight, norm.eps, cos, sin)
         if meta.new_block_slots.numel():
             bcos, bsin = block_rope
             block_key = ops.attention.pool_block_keys(
@@ -64,8 +65,9 @@ class Attention(nn.Module):
         q, k, v, *index_qk = ops.linear.merged_linear(x, [m.weight for m in linears], [m.bias for m in linears])
         # q_proj packs [q_h | gate_h] per head
         q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = ops.rotary.apply_rope(self.q_norm(q), cos, sin)
-        k = ops.rotary.apply_rope(self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = ops.rotary.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+        k = ops.rotary.norm_rope(k.reshape(T, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
+                                 cos, sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         writes = [(cache.key, k), (cache.value, v)]
         if self.indexer is not None:  # the indexer's raw key: the last head_dim columns of its projection
@@ -73,5 +75,6 @@ class Attention(nn.Module):
         ops.attention.write_slots_many(writes, meta.slot_mapping)
         selected = self.indexer(index_qk[0], cos, sin, meta, cache, block_rope) if self.indexer is not None else None
         out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
-        out = ops.attention.gate_output(out.reshape(T, -1), gate.reshape(T, -1))
+        # gate as the [T, heads, D] view it is: reshaping it to [T, heads*D] first would copy it (100 MB at 8k tokens)
+        out = ops.attention.gate_output(out.reshape(T, self.num_heads, self.head_dim), gate).reshape(T, -1)
         return ops.linear.linear(out, self.o_proj.weight, self.o_proj.bias)

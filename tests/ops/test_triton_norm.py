@@ -79,3 +79,46 @@ def test_dispatchers_take_the_kernels_from_the_token_threshold(dtype, monkeypatc
         torch.testing.assert_close(norm.gated_rms_norm_op(xg, gate, wg, 1e-6, "silu").float(),
                                    norm.gated_rms_norm.eager(xg, gate, wg, 1e-6, "silu").float(), **_tolerance(dtype))
     assert calls == ["hc_prenorm", "gated_rms_norm"], calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,D,rot", [(1, 24, 64, 16), (37, 3, 32, 32), (5, 2, 128, 32), (20, 4, 16, 8)])
+def test_norm_rope_matches_norm_then_rope(dtype, tokens, heads, D, rot):
+    """The per-head norm and the partial NeoX rotation in one pass, on the query's layout (a [T, heads, D] view of a
+    projection that packs another D per head): in fp32 as the two references; in bf16 equal to the norm's rounded
+    output rotated in fp32 and rounded once (what the compiled rotation computes) up to an ulp where the rstd's last
+    bits differ, and within the eager reference's bf16 rounding."""
+    from qwen4exp.ops.rotary import apply_rope, rope_cos_sin
+    from qwen4exp.ops.triton_norm import rms_norm_rope
+
+    g = torch.Generator().manual_seed(tokens * heads + D)
+    packed = (torch.randn(tokens, heads, 2 * D, generator=g) * 3).to(dtype)
+    x = packed[..., :D]  # strided, as q is after the chunk of q_proj's [q | gate] heads
+    w = (torch.randn(D, generator=g) * 0.2).to(dtype)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+    cos, sin = rope_cos_sin.eager(torch.arange(7, 7 + tokens), inv_freq, dtype)
+    got = on_device(rms_norm_rope)(x, w, 1e-6, cos, sin)
+    normed = norm.rms_norm.eager(x, w, 1e-6)
+    want = apply_rope.eager(normed, cos, sin)
+    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    # the eager rotation rounds both products to bf16 too: where they nearly cancel, that is an ulp of the products
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-7)
+    c, s = cos[:, None].float(), sin[:, None].float()
+    n = normed.float()
+    rotated = torch.cat((-n[..., rot // 2: rot], n[..., : rot // 2]), dim=-1)
+    once = torch.cat((n[..., :rot] * c + rotated * s, n[..., rot:]), dim=-1).to(dtype)
+    assert (got == once).float().mean() > 0.97
+    torch.testing.assert_close(got, once, rtol=2**-7, atol=1e-6)
+
+
+def test_norm_rope_dispatch_keeps_the_reference_off_the_gpu():
+    """ops.rotary.norm_rope on CPU tensors is the two references (the model's CPU path)."""
+    from qwen4exp.ops.rotary import apply_rope, norm_rope
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 2, 32, generator=g), torch.randn(32, generator=g)
+    cos, sin = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
+    assert torch.equal(norm_rope(x, w, 1e-6, cos, sin), apply_rope(norm.rms_norm(x, w, 1e-6), cos, sin))
