@@ -113,7 +113,8 @@ def stage_agree(results, device):
         pages, slot = gpu.cache.pages.allocate(32), gpu.cache.slots.allocate(1)[0]
         rows = [gpu.runner.execute([RequestChunk(seq[:256], 0, [], pages, slot, 0)])]
         for p in range(256, len(seq)):  # one token per step: the CUDA-graph decode path
-            rows.append(gpu.runner.execute([RequestChunk([seq[p]], p, seq[:p], pages, slot, 0)]))
+            # a copy: a graph step's logits are a view of its output buffer, which the next replay overwrites
+            rows.append(gpu.runner.execute([RequestChunk([seq[p]], p, seq[:p], pages, slot, 0)]).clone())
         out = torch.cat(rows).float().cpu()
         nonfinite += int((~torch.isfinite(out)).sum())
         same += int((out.argmax(-1) == ref.argmax(-1)).sum())
