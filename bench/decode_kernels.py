@@ -37,6 +37,8 @@
   norm_rope (not in the default parts): the attention's per-head norm + rotation, compiled (two kernels) against
             the Triton pass, for the query, key and indexer query at 1-16384 tokens; the output gate on a reshaped
             (copied) gate against its view.
+  grouped_sort (not in the default parts): the grouped MoE path's expert order, torch ops against the Triton
+            counting sort, 512-16384 tokens x top-10 of 128.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -794,6 +796,24 @@ def bench_norm_rope(results, token_counts=(1, 64, 8192, 16384), dev="cuda"):
     results["norm_rope"] = rows
 
 
+def bench_grouped_sort(results, token_counts=(512, 4096, 8192, 16384), dev="cuda"):
+    """The grouped path's expert order (prefill): torch's radix argsort + scatter_add + cumsum + inverse scatter
+    against the three-launch counting sort (`triton_moe.sort_pairs`), top-10 of 128, 48 calls a graph."""
+    from qwen4exp.ops.moe_grouped import sort_pairs_ref
+    from qwen4exp.ops.triton_moe import sort_pairs
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for tokens in token_counts:
+        ids = torch.randn(tokens, 128, device=dev, generator=g).topk(10, dim=-1).indices
+        same = all(torch.equal(a, b) for a, b in zip(sort_pairs(ids, 128), sort_pairs_ref(ids, 128)))
+        row = dict(tokens=tokens, torch_us=per_call_us(lambda: sort_pairs_ref(ids, 128), calls=48),
+                   triton_us=per_call_us(lambda: sort_pairs(ids, 128), calls=48), identical=same)
+        print("grouped_sort", row, flush=True)
+        rows.append(row)
+    results["grouped_sort"] = rows
+
+
 def bench_route_big(results, token_counts=(64, 256, 1024, 4096, 16384), dev="cuda"):
     """The router (softmax + top-10 of 128 + renormalisation) at prefill sizes: the one-warp-per-token Triton kernel
     against the compiled reference (softmax, torch.topk, the renormalisation), 48 calls a graph."""
@@ -830,7 +850,7 @@ def main():
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
-             "route_big": bench_route_big, "norm_rope": bench_norm_rope}
+             "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

@@ -145,6 +145,91 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Expert order of the grouped path (prefill): a stable counting sort in three launches
+# ---------------------------------------------------------------------------------------------------------------------
+
+# pairs a program of the count and place launches takes; the place launch ranks them SORT_SUB at a time
+SORT_BLOCK = 1024
+SORT_SUB = 64
+
+
+@triton.jit
+def _sort_count_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr, EB: tl.constexpr):
+    """counts[b, e]: pairs of block b routed to expert e."""
+    b = tl.program_id(0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + i, mask=i < P, other=E).to(tl.int32)  # past the end: bin E, never stored
+    x = tl.arange(0, EB)
+    tl.store(counts_ptr + b * E + x, tl.histogram(expert, EB), mask=x < E)
+
+
+@triton.jit
+def _sort_base_kernel(counts_ptr, base_ptr, offs_ptr, NB, E, RB: tl.constexpr, EB: tl.constexpr):
+    """One program: offs[e] = pairs of experts <= e (the grouped GEMM's group ends); base[b, e] = where block b's
+    first pair of expert e goes (pairs of experts < e, then of expert e in blocks < b)."""
+    x = tl.arange(0, EB)
+    r = tl.arange(0, RB)
+    x_ok = x < E
+    totals = tl.zeros([EB], dtype=tl.int32)
+    for b0 in range(0, NB, RB):
+        m = ((b0 + r) < NB)[:, None] & x_ok[None, :]
+        totals += tl.sum(tl.load(counts_ptr + (b0 + r)[:, None] * E + x[None, :], mask=m, other=0), axis=0)
+    ends = tl.cumsum(totals, axis=0)
+    tl.store(offs_ptr + x, ends, mask=x_ok)
+    carry = ends - totals
+    for b0 in range(0, NB, RB):
+        m = ((b0 + r) < NB)[:, None] & x_ok[None, :]
+        tile = tl.load(counts_ptr + (b0 + r)[:, None] * E + x[None, :], mask=m, other=0)
+        tl.store(base_ptr + (b0 + r)[:, None] * E + x[None, :], carry[None, :] + tl.cumsum(tile, axis=0) - tile,
+                 mask=m)
+        carry += tl.sum(tile, axis=0)
+
+
+@triton.jit
+def _sort_place_kernel(ids_ptr, base_ptr, order_ptr, rows_ptr, P, E, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                       EB: tl.constexpr):
+    """Each pair's sorted position: its block's base for its expert plus the pairs of the same expert before it in
+    the block (a running count per expert, then a cumulative sum over SUB pairs at a time). rows[pair] = position,
+    order[position] = pair."""
+    b = tl.program_id(0)
+    x = tl.arange(0, EB)
+    running = tl.load(base_ptr + b * E + x, mask=x < E, other=0)
+    for s in range(0, BLOCK, SUB):
+        i = b * BLOCK + s + tl.arange(0, SUB)
+        ok = i < P
+        expert = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+        onehot = ((expert[:, None] == x[None, :]) & ok[:, None]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs ahead of it in this chunk
+        pos = tl.sum(onehot * (running[None, :] + before), axis=1)
+        tl.store(rows_ptr + i, pos.to(tl.int64), mask=ok)
+        tl.store(order_ptr + pos, i.to(tl.int64), mask=ok)
+        running += tl.sum(onehot, axis=0)
+
+
+def sort_pairs(topk_ids: torch.Tensor, num_experts: int):
+    """Same contract as `ops.moe_grouped.sort_pairs_ref` (the (token, slot) pairs in stable expert order), in three
+    launches instead of torch's radix sort, scatter_add, cumsum and inverse-permutation scatter (~14 kernels)."""
+    flat = topk_ids.reshape(-1)
+    P, dev = flat.numel(), flat.device
+    nb = triton.cdiv(P, SORT_BLOCK)
+    eb = triton.next_power_of_2(num_experts)
+    order = torch.empty(P, dtype=torch.int64, device=dev)
+    rows = torch.empty(P, dtype=torch.int64, device=dev)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    if P == 0:
+        offs.zero_()
+        return order, offs, rows
+    counts = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
+    base = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
+    _sort_count_kernel[(nb,)](flat, counts, P, num_experts, BLOCK=SORT_BLOCK,
+                              EB=triton.next_power_of_2(num_experts + 1), num_warps=4)
+    _sort_base_kernel[(1,)](counts, base, offs, nb, num_experts, RB=16, EB=eb, num_warps=4)
+    _sort_place_kernel[(nb,)](flat, base, order, rows, P, num_experts, BLOCK=SORT_BLOCK, SUB=SORT_SUB, EB=eb,
+                              num_warps=4)
+    return order, offs, rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Configs
 # ---------------------------------------------------------------------------------------------------------------------
 
