@@ -34,7 +34,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     if fast_path(x):
         from .triton_norm import rms_norm_rope, rope_supported
 
-        if rope_supported(x, cos):
+        if rope_supported(x, cos, sin):
             return rms_norm_rope(x, weight, eps, cos, sin)
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
 

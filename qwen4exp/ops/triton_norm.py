@@ -1,9 +1,11 @@
-"""The GDN output norm (`ops.norm.gated_rms_norm`) as one Triton pass over [T, heads, D] rows.
+"""Per-head norms as one Triton pass over [T, heads, D] rows: the GDN output norm (`ops.norm.gated_rms_norm`), and
+the attention's query / key norm with the partial rotation after it (`ops.rotary.norm_rope`).
 
 inductor compiles the reference into one persistent reduction per 128-wide row; with the token count symbolic it ran
 at about a third of the bandwidth at 8k tokens (238 us per layer for 300 MB moved). Here a program takes BLOCK_R rows
 of D values: the sum of squares, the normalisation, the weight and the gate in registers, rounded where the eager
-reference rounds (the normalised value and the weight product to the model dtype, the gate product in fp32).
+reference rounds (the normalised value and the weight product to the model dtype, the gate product in fp32). The
+norm + rotation pass reads each row twice (the second time permuted: rotate_half's partners), from L1.
 """
 
 import torch
@@ -99,11 +101,11 @@ def _rms_norm_rope_kernel(
     tl.store(out_ptr + rows[:, None] * D + d[None, :], _round_to(y, dtype, BF16).to(dtype), mask=ok[:, None])
 
 
-def rope_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """[T, heads, D] with contiguous rows of a power-of-two D, cos / sin [T, R] with an even R <= D."""
+def rope_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """[T, heads, D] with contiguous rows of a power-of-two D, cos and sin [T, R] with an even R <= D."""
     return (x.dim() == 3 and x.stride(-1) == 1 and cos.dim() == 2 and cos.shape[0] == x.shape[0]
-            and cos.stride(-1) == 1 and cos.shape[1] % 2 == 0 and 0 < cos.shape[1] <= x.shape[-1]
-            and x.shape[-1] & (x.shape[-1] - 1) == 0 and 16 <= x.shape[-1] <= 1024)
+            and cos.shape == sin.shape and cos.stride(-1) == sin.stride(-1) == 1 and cos.shape[1] % 2 == 0
+            and 0 < cos.shape[1] <= x.shape[-1] and x.shape[-1] & (x.shape[-1] - 1) == 0 and 16 <= x.shape[-1] <= 1024)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
