@@ -37,6 +37,8 @@
   norm_rope (not in the default parts): the attention's per-head norm + rotation, compiled (two kernels) against
             the Triton pass, for the query, key and indexer query at 1-16384 tokens; the output gate on a reshaped
             (copied) gate against its view.
+  grid_order (not in the default parts): the GDN decode kernel, the conv update (batch 64) and the varlen conv
+            (8 x 1024 tokens) with their grids ordered tiles-first (the default) and rows-first, alternating.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -794,6 +796,87 @@ def bench_norm_rope(results, token_counts=(1, 64, 8192, 16384), dev="cuda"):
     results["norm_rope"] = rows
 
 
+def bench_grid_order(results, layers=36, rounds=3):
+    """Grid order of the state kernels, both orders in one process, alternating: the GDN decode kernel at batch 64
+    (`triton_gdn._TILES_FIRST`: value tiles fastest vs requests fastest), the conv update at batch 64 and the varlen
+    conv at 8 x 1024 tokens in the model's layout (`triton_conv._CHANNELS_FIRST`). Each layer has its own states, as
+    in the model, so no call finds them in L2; outputs of the two orders must be identical."""
+    from qwen4exp.ops import triton_conv, triton_gdn
+
+    dev, dt, B = "cuda", torch.bfloat16, 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = {}
+
+    def ab(name, module, flag, make_call):
+        times = {True: [], False: []}
+        outs = {}
+        for _ in range(rounds):
+            for order in (True, False):
+                setattr(module, flag, order)
+                try:
+                    call = make_call()
+                    outs[order] = call()
+                    times[order].append(per_call_us(call, calls=layers))
+                finally:
+                    setattr(module, flag, True)
+        same = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False])) if isinstance(outs[True], tuple) \
+            else torch.equal(outs[True], outs[False])
+        out[name] = dict(new_order_us=times[True], old_order_us=times[False], identical=same)
+        print(f"grid_order {name}: new {min(times[True]):.2f} us, old {min(times[False]):.2f} us, identical {same}",
+              flush=True)
+
+    # GDN decode core: 16 key heads, 48 value heads x 128, fp32 state
+    hk, hv, d = 16, 48, 128
+    A_log = torch.rand(hv, device=dev, generator=g) * 2.7
+    dt_bias = torch.randn(hv, device=dev, generator=g)
+    q, k = (torch.randn(B, hk, d, device=dev, generator=g).to(dt) for _ in range(2))
+    v = torch.randn(B, hv, d, device=dev, generator=g).to(dt)
+    b, a = (torch.randn(B, hv, device=dev, generator=g).to(dt) for _ in range(2))
+    slots = torch.arange(1, B + 1, device=dev)
+    has_init = torch.ones(B, dtype=torch.bool, device=dev)
+    states = [torch.randn(B + 1, hv, d, d, device=dev, generator=g) * 0.05 for _ in range(layers)]
+
+    def gdn_call():
+        i = [0]
+
+        def call():
+            i[0] += 1
+            return triton_gdn.fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias,
+                                                                   states[i[0] % layers], slots, has_init)
+        return call
+    ab("gdn_b64", triton_gdn, "_TILES_FIRST", gdn_call)
+
+    C, K = 10240, 4
+    w = (torch.randn(C, K, device=dev, generator=g) * 0.5).to(dt)
+    x = torch.randn(B, 16480, device=dev, generator=g).to(dt)[:, :C]  # the in_proj output's conv columns
+    cstates = [torch.randn(B + 1, C, K - 1, device=dev, generator=g).to(dt) for _ in range(layers)]
+
+    def conv_call():
+        i = [0]
+
+        def call():
+            i[0] += 1
+            return triton_conv.causal_conv1d_update(x, w, cstates[i[0] % layers], slots, has_init)
+        return call
+    ab("conv_update_b64", triton_conv, "_CHANNELS_FIRST", conv_call)
+
+    n, L = 8, 1024
+    T = n * L
+    xs = torch.randn(T, 16480, device=dev, generator=g).to(dt)[:, :C]
+    qsl = torch.arange(0, T + 1, L, device=dev)
+    token_req = torch.arange(T, device=dev) // L
+    token_local = torch.arange(T, device=dev) % L
+    vslots = torch.arange(1, n + 1, device=dev)
+    vinit = torch.zeros(n, dtype=torch.bool, device=dev)
+    vstate = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
+
+    def varlen_call():
+        return lambda: triton_conv.causal_conv1d_varlen(xs, w, vstate, qsl, token_req, token_local, vslots, vinit,
+                                                        split=(2048, 2048, 6144))
+    ab("conv_varlen_8x1024", triton_conv, "_CHANNELS_FIRST", varlen_call)
+    results["grid_order"] = out
+
+
 def bench_route_big(results, token_counts=(64, 256, 1024, 4096, 16384), dev="cuda"):
     """The router (softmax + top-10 of 128 + renormalisation) at prefill sizes: the one-warp-per-token Triton kernel
     against the compiled reference (softmax, torch.topk, the renormalisation), 48 calls a graph."""
@@ -830,7 +913,7 @@ def main():
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
-             "route_big": bench_route_big, "norm_rope": bench_norm_rope}
+             "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grid_order": bench_grid_order}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

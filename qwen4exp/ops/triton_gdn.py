@@ -32,6 +32,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Below this many programs an H200 (132 SMs) is underfed, so small batches get narrower value tiles.
 _MIN_PROGRAMS = 128
+# Grid order: value tiles vary fastest, then heads, then requests, so programs that run side by side stream one
+# slot's state in address order ([slot, head, k, v]); with requests fastest they read 32 KB pieces 3 MB apart.
+# bench/decode_kernels.py --parts grid_order times both orders.
+_TILES_FIRST = True
 
 
 @triton.jit
@@ -100,13 +104,18 @@ def _fused_recurrent_gdn_kernel(
     stride_ib, stride_il, stride_ih, stride_ik, stride_iv,
     scale,
     L: tl.constexpr, HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, STORE_INTER: tl.constexpr,
-    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, INTERPRETED: tl.constexpr,
+    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, INTERPRETED: tl.constexpr, TILES_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    if TILES_FIRST:
+        b = tl.program_id(2).to(tl.int64)
+        tile = tl.program_id(0)
+    else:
+        b = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(2)
     h = tl.program_id(1)
     hk = h // HEAD_RATIO
     offs_k = tl.arange(0, DK)
-    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    offs_v = tile * BV + tl.arange(0, BV)
 
     slot = tl.load(slots_ptr + b)
     has_init = tl.load(has_init_ptr + b).to(tl.int32)
@@ -188,7 +197,8 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
     inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
     a_log, dt_bias = gate_params if gate_params is not None else (g, g)  # never read without RAW_GATES
     qsl = query_start_loc if query_start_loc is not None else state_slots  # never read without VARLEN
-    _fused_recurrent_gdn_kernel[(B, hv, dv // bv)](
+    grid = (dv // bv, hv, B) if _TILES_FIRST else (B, hv, dv // bv)
+    _fused_recurrent_gdn_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, out, ssm_state, state_slots, has_init, inter, qsl,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
@@ -197,6 +207,7 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         dk ** -0.5,
         L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
         RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, INTERPRETED=_INTERPRETED,
+        TILES_FIRST=_TILES_FIRST,
         num_warps=_num_warps(dk, bv),
     )
     return out
