@@ -37,8 +37,9 @@
   norm_rope (not in the default parts): the attention's per-head norm + rotation, compiled (two kernels) against
             the Triton pass, for the query, key and indexer query at 1-16384 tokens; the output gate on a reshaped
             (copied) gate against its view.
-  grid_order (not in the default parts): the GDN decode kernel, the conv update (batch 64) and the varlen conv
-            (8 x 1024 tokens) with their grids ordered tiles-first (the default) and rows-first, alternating.
+  grid_order (not in the default parts): the GDN decode kernel, the conv update (batch 64), the varlen conv, the
+            hyper-connection prenorm and the MoE pair sum (8192 tokens) with their grids ordered tiles-first (the
+            default) and rows-first, alternating.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -874,6 +875,22 @@ def bench_grid_order(results, layers=36, rounds=3):
         return lambda: triton_conv.causal_conv1d_varlen(xs, w, vstate, qsl, token_req, token_local, vslots, vinit,
                                                         split=(2048, 2048, 6144))
     ab("conv_varlen_8x1024", triton_conv, "_CHANNELS_FIRST", varlen_call)
+
+    from qwen4exp.ops import triton_hc, triton_moe
+
+    hc, H = 4, 2560
+    streams = torch.randn(T, hc * H, device=dev, generator=g).to(dt)
+    block_out = torch.randn(T, H, device=dev, generator=g).to(dt)
+    inject = torch.rand(T, hc, device=dev, generator=g).to(dt)
+    norm_w = (torch.randn(hc * H, device=dev, generator=g) * 0.1).to(dt)
+    ab("hc_prenorm_8192", triton_hc, "_STREAMS_FIRST",
+       lambda: (lambda: triton_hc.hc_prenorm(streams, norm_w, 1e-6, hc, block_out, inject)))
+    y = torch.randn(T * 10, H, device=dev, generator=g).to(dt)
+    rows = torch.randperm(T * 10, device=dev, generator=g).view(T, 10)
+    weights = torch.rand(T, 10, device=dev, generator=g).to(dt)
+    shared = (torch.randn(T, H, device=dev, generator=g).to(dt), torch.randn(T, 1, device=dev, generator=g).to(dt))
+    ab("sum_pairs_8192x10", triton_moe, "_COLUMNS_FIRST",
+       lambda: (lambda: triton_moe.sum_pairs(y, 10, rows, weights, shared)))
     results["grid_order"] = out
 
 

@@ -560,15 +560,25 @@ def silu_mul_halves(gate_up: torch.Tensor, block_n: int = 32, block_i: int = 128
     return out
 
 
+# Grid order of `sum_pairs`: a token's column blocks are adjacent programs (one flat grid), so its k rows are read
+# whole by programs that run side by side; with tokens fastest each row was read in parts far apart in time.
+# bench/decode_kernels.py --parts grid_order times both.
+_COLUMNS_FIRST = True
+
+
 @triton.jit
 def _sum_pairs_kernel(
     y_ptr, rows_ptr, w_ptr, shared_ptr, logit_ptr, out_ptr, hidden,
     stride_y, stride_s, stride_l, stride_o,
     TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SHARED: tl.constexpr,
-    BLOCK: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK: tl.constexpr, ROUND: tl.constexpr, COLUMNS_FIRST: tl.constexpr, NBLK: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if COLUMNS_FIRST:
+        token = (tl.program_id(0) // NBLK).to(tl.int64)
+        offs = (tl.program_id(0) % NBLK) * BLOCK + tl.arange(0, BLOCK)
+    else:
+        token = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
@@ -607,12 +617,13 @@ def sum_pairs(y, top_k: int, rows=None, weights=None, shared=None) -> torch.Tens
         return out
     shared_out, logit = shared if shared is not None else (y, y)
     block = min(1024, triton.next_power_of_2(hidden))
-    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](
+    nblk = triton.cdiv(hidden, block)
+    _sum_pairs_kernel[(num_tokens * nblk,) if _COLUMNS_FIRST else (num_tokens, nblk)](
         y, rows if rows is not None else y, weights.reshape(-1).contiguous() if weights is not None else y,
         shared_out, logit, out, hidden,
         y.stride(0), shared_out.stride(0), logit.stride(0), out.stride(0),
         TOP_K=top_k, HAS_ROWS=rows is not None, HAS_WEIGHTS=weights is not None, HAS_SHARED=shared is not None,
-        BLOCK=block, ROUND=_rounding(y.dtype), num_warps=4,
+        BLOCK=block, ROUND=_rounding(y.dtype), COLUMNS_FIRST=_COLUMNS_FIRST, NBLK=nblk, num_warps=4,
     )
     return out
 

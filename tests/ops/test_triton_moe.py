@@ -297,3 +297,23 @@ def test_shared_expert_on_a_side_stream_is_joined_eagerly_and_in_graphs():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, in_line())
+
+
+def test_sum_pairs_grid_orders_compute_the_same(monkeypatch):
+    """sum_pairs' grid runs a token's column blocks side by side (memory locality; bench/decode_kernels.py --parts
+    grid_order times both orders): tokens-first gives the identical sums."""
+    from qwen4exp.ops import triton_moe
+
+    g = torch.Generator().manual_seed(13)
+    tokens, k, hidden = 9, 3, 2500  # three column blocks of 1024
+    y = torch.randn(tokens * k, hidden, generator=g)
+    rows = torch.randperm(tokens * k, generator=g).view(tokens, k)
+    weights = torch.rand(tokens, k, generator=g)
+    shared = (torch.randn(tokens, hidden, generator=g), torch.randn(tokens, 1, generator=g))
+    results = []
+    for order in (True, False):
+        monkeypatch.setattr(triton_moe, "_COLUMNS_FIRST", order)
+        results.append(on_device(triton_moe.sum_pairs)(y, k, rows, weights, shared))
+    assert torch.equal(*results)
+    want = (y[rows] * weights[..., None]).sum(1) + torch.sigmoid(shared[1]) * shared[0]
+    torch.testing.assert_close(results[0], want, rtol=1e-5, atol=1e-5)
