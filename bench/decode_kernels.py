@@ -40,6 +40,8 @@
   grid_order (not in the default parts): the GDN decode kernel, the conv update (batch 64), the varlen conv, the
             hyper-connection prenorm and the MoE pair sum (8192 tokens) with their grids ordered tiles-first (the
             default) and rows-first, alternating.
+  pdl (not in the default parts): a chain of 192 small Triton kernels in a CUDA graph, plain against programmatic
+            dependent launch (gdc_wait first; and with an independent load before the wait): us per kernel.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
@@ -894,6 +896,53 @@ def bench_grid_order(results, layers=36, rounds=3):
     results["grid_order"] = out
 
 
+def bench_pdl(results, kernels=192, dev="cuda"):
+    """Does programmatic dependent launch shorten kernel boundaries inside a CUDA graph? A chain of small Triton
+    kernels (each adds 1 to the previous one's [64, 2560] output; 40 programs) captured three ways: plain launches;
+    `launch_pdl=True` with `gdc_wait` first (the next kernel's launch overlaps the previous one's tail); and the same
+    with a 40 KB independent load before the wait (a weight, as a GEMV would prefetch). Prints us per kernel and
+    checks the chain's result."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def step(src, dst, w, n, BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        if PREFETCH:  # independent of the previous kernel: may run before the wait
+            acc += tl.load(w + i, mask=i < n, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(src + i, mask=i < n, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(dst + i, x + 1.0 + acc * 0.0, mask=i < n)
+
+    n, block = 64 * 2560, 4096
+    bufs = [torch.zeros(n, device=dev) for _ in range(2)]
+    w = torch.randn(n, device=dev)
+    grid = (triton.cdiv(n, block),)
+    rows = {}
+    for name, pdl, prefetch in (("plain", False, False), ("pdl", True, False), ("pdl_prefetch", True, True)):
+        def chain():
+            for j in range(kernels):
+                step[grid](bufs[j % 2], bufs[(j + 1) % 2], w, n, BLOCK=block, PDL=pdl, PREFETCH=prefetch,
+                           **({"launch_pdl": True} if pdl else {}))
+        try:
+            bufs[0].zero_()
+            chain()
+            torch.cuda.synchronize()
+            ok = bool((bufs[kernels % 2] == kernels).all())
+            us = per_call_us(chain, calls=1) / kernels
+        except Exception as e:  # this Triton cannot launch with PDL, or capture rejects it
+            rows[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
+            print("pdl", name, rows[name], flush=True)
+            continue
+        rows[name] = dict(us_per_kernel=us, result_ok=ok)
+        print(f"pdl {name}: {us:.3f} us per kernel, result ok {ok}", flush=True)
+    results["pdl"] = rows
+
+
 def bench_route_big(results, token_counts=(64, 256, 1024, 4096, 16384), dev="cuda"):
     """The router (softmax + top-10 of 128 + renormalisation) at prefill sizes: the one-warp-per-token Triton kernel
     against the compiled reference (softmax, torch.topk, the renormalisation), 48 calls a graph."""
@@ -930,7 +979,8 @@ def main():
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
-             "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grid_order": bench_grid_order}
+             "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grid_order": bench_grid_order,
+             "pdl": bench_pdl}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:
