@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, pdl_start
+
 # Grid order of both kernels: channel tiles vary fastest, so programs that run side by side read and write adjacent
 # columns of the same rows (and, at decode, one slot's state in address order); with rows (tokens, requests) fastest
 # they touch a 256-byte column stripe of rows 33 KB apart. bench/decode_kernels.py --parts grid_order times both.
@@ -45,8 +47,9 @@ def _causal_conv1d_update_kernel(
     stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
     stride_ib, stride_il, stride_ic, stride_is,
     LQ: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
-    SILU: tl.constexpr, STORE_INTER: tl.constexpr, CHANNELS_FIRST: tl.constexpr,
+    SILU: tl.constexpr, STORE_INTER: tl.constexpr, CHANNELS_FIRST: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     if CHANNELS_FIRST:
         b = tl.program_id(1).to(tl.int64)
         offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
@@ -138,7 +141,7 @@ def causal_conv1d_update(
         out.stride(0), out.stride(1),
         *inter_strides,
         LQ=lq, LST=state_len, DIL=dilation, LP=lp, BC=bc, SILU=silu, STORE_INTER=intermediate_states is not None,
-        CHANNELS_FIRST=_CHANNELS_FIRST, num_warps=num_warps,
+        CHANNELS_FIRST=_CHANNELS_FIRST, num_warps=num_warps, **launch_options(x)
     )
     return out
 
@@ -207,8 +210,9 @@ def _conv1d_varlen_out_kernel(
     T, C,
     stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
     K: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, CHANNELS_FIRST: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, CHANNELS_FIRST: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     if CHANNELS_FIRST:
         t_tile, c_tile = tl.program_id(1), tl.program_id(0)
     else:
@@ -251,8 +255,9 @@ def _conv1d_varlen_state_kernel(
     x_ptr, state_ptr, qsl_ptr, slots_ptr, has_init_ptr,
     C,
     stride_xt, stride_xc, stride_ss, stride_sc, stride_sl,
-    LST: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
+    LST: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     offs_p = tl.arange(0, LP)
@@ -328,7 +333,7 @@ def causal_conv1d_varlen(
         out.stride(0), out.stride(1),
         K=kernel, LST=state_len, DIL=dilation, BT=bt, BC=bc, SILU=silu,
         S0=split[0] if planar else 0, S1=split[1] if planar else 0, CHANNELS_FIRST=_CHANNELS_FIRST,
-        num_warps=num_warps,
+        num_warps=num_warps, **launch_options(x)
     )
     lp = triton.next_power_of_2(state_len)
     bcs = min(triton.next_power_of_2(channels), max(16, 2048 // lp))
@@ -336,6 +341,6 @@ def causal_conv1d_varlen(
         x, conv_state, query_start_loc, state_slots, has_init,
         channels,
         x.stride(0), x.stride(1), *conv_state.stride(),
-        LST=state_len, LP=lp, BC=bcs, num_warps=4,
+        LST=state_len, LP=lp, BC=bcs, num_warps=4, **launch_options(x)
     )
     return result()

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, pdl_start
+
 MAX_TOKENS = 1
 # products held per program (fp32 values): ~64 registers a thread at 4 warps
 _BUDGET = 8192
@@ -39,8 +41,9 @@ def _hc_down_kernel(
     T, H, R, NROWS, NCHUNKS, eps,
     stride_x, stride_w, stride_a, stride_i,
     S: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
-    BS: tl.constexpr, NCP: tl.constexpr, ROUND: tl.constexpr,
+    BS: tl.constexpr, NCP: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     rb = tl.program_id(0)
     chunk = tl.program_id(1)
     k_start = chunk * KC
@@ -96,7 +99,9 @@ def _hc_up_mix_kernel(
     T, H, R,
     stride_x, stride_wu, stride_a, stride_o,
     S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     dtype = out_ptr.dtype.element_ty
     t = tl.arange(0, BT)
     t_ok = t < T
@@ -139,7 +144,9 @@ def _hc_prenorm_kernel(
     H, eps,
     stride_s, stride_o, stride_i, stride_new, stride_n,
     COMBINE: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr, STREAMS_FIRST: tl.constexpr, S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     if STREAMS_FIRST:
         t = (tl.program_id(0) // S).to(tl.int64)
         stream = tl.program_id(0) % S
@@ -190,7 +197,7 @@ def hc_prenorm(streams, norm_weight, eps: float, hc: int, block_out=None, inject
             STREAMS_FIRST=_STREAMS_FIRST, S=hc,
             num_warps=max(1, min(8, block // 512)),
             # else the product and the sum become one bf16 FMA (one rounding where the eager combine has two)
-            enable_fp_fusion=False,
+            enable_fp_fusion=False, **launch_options(streams)
         )
     return new, normed
 
@@ -248,7 +255,7 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
         T, H, rank, rows, n_chunks, eps,
         streams.stride(0), w_down_inject.stride(0), act.stride(0), inj.stride(0),
         S=hc, BT=bt, BR=block_rows, KC=kc, BK=bk, BS=min(triton.next_power_of_2(H), max(16, _BUDGET // (2 * bt))),
-        NCP=triton.next_power_of_2(n_chunks), ROUND=round_mode, num_warps=4,
+        NCP=triton.next_power_of_2(n_chunks), ROUND=round_mode, num_warps=4, **launch_options(streams)
     )
     sp = triton.next_power_of_2(hc)
     _hc_up_mix_kernel[(triton.cdiv(H, block_h),)](
@@ -256,6 +263,6 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
         T, H, rank,
         streams.stride(0), w_up.stride(0), act.stride(0), out.stride(0),
         S=hc, SP=sp, BT=bt, BH=block_h, BK=min(triton.next_power_of_2(rank), max(16, _BUDGET // (sp * bt * block_h))),
-        ROUND=round_mode, num_warps=4,
+        ROUND=round_mode, num_warps=4, **launch_options(streams)
     )
     return out, (inj if inject else None)
