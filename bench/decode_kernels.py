@@ -37,6 +37,10 @@
   norm_rope (not in the default parts): the attention's per-head norm + rotation, compiled (two kernels) against
             the Triton pass, for the query, key and indexer query at 1-16384 tokens; the output gate on a reshaped
             (copied) gate against its view.
+  grouped_sort (not in the default parts): the grouped MoE path's expert order, torch ops against the Triton
+            counting sort, 512-16384 tokens x top-10 of 128.
+  grid_order (not in the default parts): the conv update (batch 64), the varlen conv and the hyper-connection
+            prenorm (8192 tokens) with their grids ordered tiles-first (the default) and rows-first, alternating.
   pdl (not in the default parts): a chain of 192 small Triton kernels in a CUDA graph, plain against programmatic
             dependent launch (gdc_wait first; and with an independent load before the wait): us per kernel.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
@@ -796,6 +800,95 @@ def bench_norm_rope(results, token_counts=(1, 64, 8192, 16384), dev="cuda"):
     results["norm_rope"] = rows
 
 
+def bench_grouped_sort(results, token_counts=(512, 4096, 8192, 16384), dev="cuda"):
+    """The grouped path's expert order (prefill): torch's radix argsort + scatter_add + cumsum + inverse scatter
+    against the three-launch counting sort (`triton_moe.sort_pairs`), top-10 of 128, 48 calls a graph."""
+    from qwen4exp.ops.moe_grouped import sort_pairs_ref
+    from qwen4exp.ops.triton_moe import sort_pairs
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for tokens in token_counts:
+        ids = torch.randn(tokens, 128, device=dev, generator=g).topk(10, dim=-1).indices
+        same = all(torch.equal(a, b) for a, b in zip(sort_pairs(ids, 128), sort_pairs_ref(ids, 128)))
+        row = dict(tokens=tokens, torch_us=per_call_us(lambda: sort_pairs_ref(ids, 128), calls=48),
+                   triton_us=per_call_us(lambda: sort_pairs(ids, 128), calls=48), identical=same)
+        print("grouped_sort", row, flush=True)
+        rows.append(row)
+    results["grouped_sort"] = rows
+def bench_grid_order(results, layers=36, rounds=3):
+    """Grid order of the state kernels, both orders in one process, alternating: the conv update at batch 64 and the
+    varlen conv at 8 x 1024 tokens in the model's layout (`triton_conv._CHANNELS_FIRST`), the hyper-connection
+    prenorm at 8192 tokens (`triton_hc._STREAMS_FIRST`). Each layer has its own states, as
+    in the model, so no call finds them in L2; outputs of the two orders must be identical."""
+    from qwen4exp.ops import triton_conv
+
+    dev, dt, B = "cuda", torch.bfloat16, 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = {}
+
+    def ab(name, module, flag, make_call):
+        times = {True: [], False: []}
+        outs = {}
+        for _ in range(rounds):
+            for order in (True, False):
+                setattr(module, flag, order)
+                try:
+                    call = make_call()
+                    outs[order] = call()
+                    times[order].append(per_call_us(call, calls=layers))
+                finally:
+                    setattr(module, flag, True)
+        same = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False])) if isinstance(outs[True], tuple) \
+            else torch.equal(outs[True], outs[False])
+        out[name] = dict(new_order_us=times[True], old_order_us=times[False], identical=same)
+        print(f"grid_order {name}: new {min(times[True]):.2f} us, old {min(times[False]):.2f} us, identical {same}",
+              flush=True)
+
+    slots = torch.arange(1, B + 1, device=dev)
+    has_init = torch.ones(B, dtype=torch.bool, device=dev)
+
+    C, K = 10240, 4
+    w = (torch.randn(C, K, device=dev, generator=g) * 0.5).to(dt)
+    x = torch.randn(B, 16480, device=dev, generator=g).to(dt)[:, :C]  # the in_proj output's conv columns
+    cstates = [torch.randn(B + 1, C, K - 1, device=dev, generator=g).to(dt) for _ in range(layers)]
+
+    def conv_call():
+        i = [0]
+
+        def call():
+            i[0] += 1
+            return triton_conv.causal_conv1d_update(x, w, cstates[i[0] % layers], slots, has_init)
+        return call
+    ab("conv_update_b64", triton_conv, "_CHANNELS_FIRST", conv_call)
+
+    n, L = 8, 1024
+    T = n * L
+    xs = torch.randn(T, 16480, device=dev, generator=g).to(dt)[:, :C]
+    qsl = torch.arange(0, T + 1, L, device=dev)
+    token_req = torch.arange(T, device=dev) // L
+    token_local = torch.arange(T, device=dev) % L
+    vslots = torch.arange(1, n + 1, device=dev)
+    vinit = torch.zeros(n, dtype=torch.bool, device=dev)
+    vstate = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
+
+    def varlen_call():
+        return lambda: triton_conv.causal_conv1d_varlen(xs, w, vstate, qsl, token_req, token_local, vslots, vinit,
+                                                        split=(2048, 2048, 6144))
+    ab("conv_varlen_8x1024", triton_conv, "_CHANNELS_FIRST", varlen_call)
+
+    from qwen4exp.ops import triton_hc
+
+    hc, H = 4, 2560
+    streams = torch.randn(T, hc * H, device=dev, generator=g).to(dt)
+    block_out = torch.randn(T, H, device=dev, generator=g).to(dt)
+    inject = torch.rand(T, hc, device=dev, generator=g).to(dt)
+    norm_w = (torch.randn(hc * H, device=dev, generator=g) * 0.1).to(dt)
+    ab("hc_prenorm_8192", triton_hc, "_STREAMS_FIRST",
+       lambda: (lambda: triton_hc.hc_prenorm(streams, norm_w, 1e-6, hc, block_out, inject)))
+    results["grid_order"] = out
+
+
 def bench_pdl(results, kernels=192, dev="cuda"):
     """Does programmatic dependent launch shorten kernel boundaries inside a CUDA graph? A chain of small Triton
     kernels (each adds 1 to the previous one's [64, 2560] output; 40 programs) captured three ways: plain launches;
@@ -879,7 +972,9 @@ def main():
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
-             "route_big": bench_route_big, "norm_rope": bench_norm_rope, "pdl": bench_pdl}
+             "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
+             "grid_order": bench_grid_order,
+             "pdl": bench_pdl}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

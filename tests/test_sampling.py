@@ -131,3 +131,26 @@ def test_temperature_sampling_follows_the_softmax(seeded_rows):
     freq = counts / draws
     assert (freq - probs).abs().max() < 0.035, freq  # ~4 standard errors at p = 0.5
     assert not torch.equal(counts[0], counts[2])  # rows draw independent noise
+
+
+def test_model_dtype_logits_sample_as_their_fp32_widening():
+    """The model hands the sampler logits in its dtype (bf16 on the GPU). Greedy rows take their argmax as they are;
+    sampling, penalties and logprobs widen them to fp32 first: every result equals that of the widened logits, and
+    the caller's logits are left untouched."""
+    from qwen4exp.engine.request import Request
+    from qwen4exp.engine.sampler import Sampler
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 300, generator=g) * 3).to(torch.bfloat16)
+    logits[0, 17] = logits[0, 250] = logits[0].max() + 1  # a tie: both pick the first index
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.8, seed=5, logprobs=2),
+              SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=9)]
+    requests = [Request(f"r{i}", [3, 17, 250], p) for i, p in enumerate(params)]
+    before = logits.clone()
+    got = Sampler("cpu", seed=1).sample(logits, requests, [[] for _ in requests]).to_host()
+    want = Sampler("cpu", seed=1).sample(logits.float(), requests, [[] for _ in requests]).to_host()
+    assert torch.equal(logits, before)
+    assert got.token_ids[0] == 17
+    assert got.token_ids == want.token_ids and got.ranks == want.ranks and got.topk_ids == want.topk_ids
+    assert got.logprobs == want.logprobs and got.topk_logprobs == want.topk_logprobs

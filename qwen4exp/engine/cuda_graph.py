@@ -283,5 +283,5 @@ class CUDAGraphRunner:
         logits = self._run((bucket, self._variant(chunks)))
         wanted = [r for r, ch in enumerate(chunks) if ch.logits_from == 0]
         if len(wanted) == n:
-            return logits[:n]  # no copy (64 x 248k fp32 at batch 64): see ModelRunner.execute
+            return logits[:n]  # no copy (64 x 248k at batch 64): see ModelRunner.execute
         return logits[to_device(wanted, logits.device)]

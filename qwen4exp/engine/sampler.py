@@ -105,7 +105,8 @@ class Sampler:
         self.request_generators.pop(req.request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> SamplerOutput:
-        """logits: [B, V] fp32 raw logits, one row per request that samples this step."""
+        """logits: [B, V] raw logits (the model's dtype; everything but the argmax of greedy rows is computed on them
+        widened to fp32), one row per request that samples this step."""
         return self.sample(logits, requests, stop_ids).to_host()
 
     def sample(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> "SampledBatch":
@@ -113,12 +114,14 @@ class Sampler:
         before they are read; the sampled ids can feed that step directly (`SampledBatch.token_ids`)."""
         raw_logits = logits
         if any(_adjusts_logits(r.params) for r in requests):
-            logits = apply_penalties(logits.clone(), requests, stop_ids)
+            logits = apply_penalties(logits.to(torch.float32, copy=True), requests, stop_ids)
+        # widening is exact and order-preserving, so greedy rows take the argmax of the logits as they come (a bf16
+        # read of 64 x 248k instead of a widening copy and an fp32 read)
         tokens = logits.argmax(-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
             rows = to_device(sampled_rows, logits.device)
-            probs = torch.softmax(_filter(logits[rows], [requests[i] for i in sampled_rows]), dim=-1)
+            probs = torch.softmax(_filter(logits[rows].float(), [requests[i] for i in sampled_rows]), dim=-1)
             q = torch.empty_like(probs)
             # unseeded rows share the engine's generator: one launch for all of them, not one per row (64 launches
             # per step at batch 64); seeded rows draw from their own generator so their tokens ignore the batch
@@ -135,7 +138,7 @@ class Sampler:
         ks = [r.params.logprobs for r in requests]
         if all(k is None for k in ks):  # nobody reads logprobs or ranks: skip the vocab-wide passes
             return SampledBatch(tokens, None, None, None, ks).start_copy()
-        raw_logprobs = torch.log_softmax(raw_logits, dim=-1)
+        raw_logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1
         max_k = max(k or 0 for k in ks)
@@ -194,7 +197,7 @@ class SampledBatch:
 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int):
     """Raw logprobs of `next_tokens` under each row, their ranks, and the top-k. Returns python lists."""
-    lp = torch.log_softmax(logits, dim=-1)
+    lp = torch.log_softmax(logits.float(), dim=-1)
     tgt = torch.tensor(next_tokens, device=lp.device)
     chosen = lp.gather(1, tgt[:, None])[:, 0]
     ranks = (lp > chosen[:, None]).sum(-1) + 1

@@ -112,5 +112,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.model(meta, cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden: [N, H] -> logits [N, vocab] in the model's dtype (as transformers computes them; the sampler and
+        the logprobs widen them to fp32, exactly)."""
+        return self.lm_head(hidden)

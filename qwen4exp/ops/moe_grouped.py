@@ -26,6 +26,21 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def sort_pairs_ref(topk_ids: torch.Tensor, num_experts: int):
+    """The N*k (token, slot) pairs of topk_ids [N, k] in expert order, ties in pair order (stable). Returns
+    order [N*k] int64 (the pair at each sorted position), offs [E] int32 (the end of each expert's run: the grouped
+    GEMM's offsets) and rows [N*k] int64 (each pair's sorted position, the inverse of order)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    # scatter_add instead of bincount: bincount's output size depends on the data, so it syncs on CUDA.
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device=flat.device)
+    return order, offs, rows
+
+
 def grouped_moe(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -43,13 +58,11 @@ def grouped_moe(
         return torch.zeros_like(x)
     from .triton_moe import sum_pairs, sum_pairs_ref
 
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    # scatter_add instead of bincount: bincount's output size depends on the data, so it syncs on CUDA.
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-
+    if x.is_cuda:
+        from .triton_moe import sort_pairs
+    else:
+        sort_pairs = sort_pairs_ref
+    order, offs, rows = sort_pairs(topk_ids, num_experts)
     xs = x[order // top_k]
     # Weights as stored ([E, out, in]) transposed to [E, in, out]: a column-major view, which the op accepts
     # without a copy.
@@ -62,8 +75,7 @@ def grouped_moe(
         act = silu_mul(*h.chunk(2, dim=-1))
     y = torch._grouped_mm(act, down.transpose(1, 2), offs=offs)
 
-    # Each pair's row in y, then one weighted ordered sum per token: deterministic (no atomics), no scatter of y.
-    rows = torch.empty_like(order)
-    rows[order] = torch.arange(order.numel(), device=x.device)
+    # Each pair's row in y (`rows`), then one weighted ordered sum per token: deterministic (no atomics), no scatter
+    # of y.
     total = sum_pairs if x.is_cuda else sum_pairs_ref
     return total(y, top_k, rows.view(num_tokens, top_k), topk_weights, shared).to(x.dtype)

@@ -32,6 +32,7 @@ _DEFAULT_MAX_CHUNK_BYTES = 512 << 20
 
 
 if triton is not None:
+    from .triton_pdl import launch_options, pdl_start
 
     @triton.jit(do_not_specialize=["T", "max_blocks", "stride_bt"])
     def _qsa_scores_kernel(
@@ -40,8 +41,9 @@ if triton is not None:
         stride_qt, stride_qh, stride_bkp, stride_bkr, stride_bt, stride_ot,
         HI: tl.constexpr, DI: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr,
         BLOCK_T: tl.constexpr, HI_P: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_B: tl.constexpr,
-        DOT_PREC: tl.constexpr,
+        DOT_PREC: tl.constexpr, PDL: tl.constexpr
     ):
+        pdl_start(PDL)
         pid_t = tl.program_id(0)
         pid_b = tl.program_id(1)
         # M rows are (token, head) pairs of BLOCK_T consecutive tokens: prefill tokens of one request share every
@@ -117,7 +119,7 @@ def qsa_block_scores_triton(
         HI=hi, DI=di, C=C, RPP=block_key.shape[1],
         BLOCK_T=block_t, HI_P=hi_p, BLOCK_DI=triton.next_power_of_2(di), BLOCK_B=block_b,
         DOT_PREC="ieee" if index_q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
+        num_warps=num_warps, **launch_options(index_q)
     )
     return out
 

@@ -27,10 +27,12 @@ def gather_rows_ref(table: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor,
 
 
 if triton is not None:
+    from .triton_pdl import launch_options, pdl_start
 
     @triton.jit(do_not_specialize=["n_ids"])
     def _gather_kernel(table, ids, scale, out, n_ids, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-                      ROUND: tl.constexpr):
+                      ROUND: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         valid = r < n_ids
         row = tl.load(ids + r, mask=valid, other=0).to(tl.int64)
@@ -56,6 +58,7 @@ def gather_rows_triton(
         _gather_kernel[(triton.cdiv(n, rows),)](
             table, ids.contiguous(), scale, out, n, D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=rows,
             ROUND="rtne" if dtype != torch.float32 else None,  # explicit: the interpreter truncates by default
+            **launch_options(out),
         )
     return out
 

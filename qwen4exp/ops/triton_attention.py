@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, pdl_start
+
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS_PER_SM = 2
 _DEFAULT_SM_COUNT = 132  # H200; only used when no CUDA device can be asked (interpreter runs)
@@ -87,8 +89,9 @@ def _sparse_paged_attn_kernel(
     stride_ot, stride_oh,
     HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SEL: tl.constexpr, DOT_PREC: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SEL: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,8 +157,9 @@ def _sparse_paged_attn_kernel(
 def _merge_splits_kernel(
     ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, stride_ot, stride_oh,
     HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, TILE_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, TILE_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * HQ + h) * NUM_SPLITS
@@ -286,7 +290,7 @@ def sparse_paged_attention(
         HQ=hq, GROUP=group, HEAD_DIM=D, PAGE=page,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HAS_SEL=has_sel, DOT_PREC=dot_prec,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q)
     )
     if num_splits > 1:
         _merge_splits_kernel[(T, hq)](
@@ -294,7 +298,7 @@ def sparse_paged_attention(
             HQ=hq, HEAD_DIM=D, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), TILE_S=min(16, triton.next_power_of_2(num_splits)),
             BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=4, **launch_options(ws_m)
         )
     return out
 
@@ -409,8 +413,9 @@ def _prefill_paged_attn_kernel(
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE_T: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     tile = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     req = tl.load(tiles_ptr + tile * 3).to(tl.int64)
@@ -535,7 +540,7 @@ def prefill_paged_attention(
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page, TILE_T=tile_t,
         BLOCK_M=triton.next_power_of_2(block_m), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
-        DOT_PREC=dot_prec, num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC=dot_prec, num_warps=num_warps, num_stages=num_stages, **launch_options(q)
     )
     return out
 
@@ -545,7 +550,8 @@ def prefill_paged_attention(
 @triton.jit
 def _write_rows_kernel(slots_ptr, src0, dst0, src_stride0, src1, dst1, src_stride1, src2, dst2, src_stride2,
                        N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
-                       B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr):
+                       B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     o = tl.arange(0, B0)
@@ -581,4 +587,4 @@ def write_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: tor
         return
     _write_rows_kernel[(n,)](slot_mapping, *args, N0=widths[0], N1=widths[1], N2=widths[2],
                              B0=triton.next_power_of_2(widths[0]), B1=triton.next_power_of_2(max(widths[1], 1)),
-                             B2=triton.next_power_of_2(max(widths[2], 1)), num_warps=1)
+                             B2=triton.next_power_of_2(max(widths[2], 1)), num_warps=1, **launch_options(slot_mapping))

@@ -16,6 +16,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, pdl_start
+
+# Grid order of both kernels: channel tiles vary fastest, so programs that run side by side read and write adjacent
+# columns of the same rows (and, at decode, one slot's state in address order); with rows (tokens, requests) fastest
+# they touch a 256-byte column stripe of rows 33 KB apart. bench/decode_kernels.py --parts grid_order times both.
+_CHANNELS_FIRST = True
+
 
 @triton.jit
 def _load_window(state_base, x_base, stride_sl, stride_xt, shift, offs_p, sel, c_ok, init2d,
@@ -40,10 +47,15 @@ def _causal_conv1d_update_kernel(
     stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
     stride_ib, stride_il, stride_ic, stride_is,
     LQ: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
-    SILU: tl.constexpr, STORE_INTER: tl.constexpr,
+    SILU: tl.constexpr, STORE_INTER: tl.constexpr, CHANNELS_FIRST: tl.constexpr, PDL: tl.constexpr
 ):
-    b = tl.program_id(0).to(tl.int64)
-    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    pdl_start(PDL)
+    if CHANNELS_FIRST:
+        b = tl.program_id(1).to(tl.int64)
+        offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    else:
+        b = tl.program_id(0).to(tl.int64)
+        offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     offs_p = tl.arange(0, LP)
     c_ok = offs_c < C
 
@@ -121,14 +133,15 @@ def causal_conv1d_update(
     has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     inter = intermediate_states if intermediate_states is not None else conv_state  # never written when absent
     inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 4
-    _causal_conv1d_update_kernel[(B, triton.cdiv(channels, bc))](
+    grid = (triton.cdiv(channels, bc), B) if _CHANNELS_FIRST else (B, triton.cdiv(channels, bc))
+    _causal_conv1d_update_kernel[grid](
         x, weight, conv_state, state_slots, has_init, out, inter,
         channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(),
         out.stride(0), out.stride(1),
         *inter_strides,
         LQ=lq, LST=state_len, DIL=dilation, LP=lp, BC=bc, SILU=silu, STORE_INTER=intermediate_states is not None,
-        num_warps=num_warps,
+        CHANNELS_FIRST=_CHANNELS_FIRST, num_warps=num_warps, **launch_options(x)
     )
     return out
 
@@ -197,10 +210,15 @@ def _conv1d_varlen_out_kernel(
     T, C,
     stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
     K: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, CHANNELS_FIRST: tl.constexpr, PDL: tl.constexpr
 ):
-    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
-    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    pdl_start(PDL)
+    if CHANNELS_FIRST:
+        t_tile, c_tile = tl.program_id(1), tl.program_id(0)
+    else:
+        t_tile, c_tile = tl.program_id(0), tl.program_id(1)
+    offs_t = t_tile * BT + tl.arange(0, BT)
+    offs_c = c_tile * BC + tl.arange(0, BC)
     t_ok, c_ok = offs_t < T, offs_c < C
     req = tl.load(req_ptr + offs_t, mask=t_ok, other=0)
     local = tl.load(local_ptr + offs_t, mask=t_ok, other=LST)
@@ -222,7 +240,7 @@ def _conv1d_varlen_out_kernel(
     if S0 > 0:
         # planar output: channel parts [0, S0), [S0, S0+S1), [S0+S1, C) each stored as its own contiguous [T, width]
         # block, one after the other (a channel tile never straddles two parts)
-        c0 = tl.program_id(1) * BC
+        c0 = c_tile * BC
         part_start = tl.where(c0 >= S0 + S1, S0 + S1, tl.where(c0 >= S0, S0, 0))
         width = tl.where(c0 >= S0 + S1, C - S0 - S1, tl.where(c0 >= S0, S1, S0))
         base = out_ptr + T.to(tl.int64) * part_start
@@ -237,8 +255,9 @@ def _conv1d_varlen_state_kernel(
     x_ptr, state_ptr, qsl_ptr, slots_ptr, has_init_ptr,
     C,
     stride_xt, stride_xc, stride_ss, stride_sc, stride_sl,
-    LST: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
+    LST: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     offs_p = tl.arange(0, LP)
@@ -306,13 +325,15 @@ def causal_conv1d_varlen(
     if total == 0 or num_reqs == 0:
         return result()
     has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
-    _conv1d_varlen_out_kernel[(triton.cdiv(total, bt), triton.cdiv(channels, bc))](
+    tiles = (triton.cdiv(total, bt), triton.cdiv(channels, bc))
+    _conv1d_varlen_out_kernel[tiles[::-1] if _CHANNELS_FIRST else tiles](
         x, weight, conv_state, token_req, token_local, state_slots, has_init, out,
         total, channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(),
         out.stride(0), out.stride(1),
         K=kernel, LST=state_len, DIL=dilation, BT=bt, BC=bc, SILU=silu,
-        S0=split[0] if planar else 0, S1=split[1] if planar else 0, num_warps=num_warps,
+        S0=split[0] if planar else 0, S1=split[1] if planar else 0, CHANNELS_FIRST=_CHANNELS_FIRST,
+        num_warps=num_warps, **launch_options(x)
     )
     lp = triton.next_power_of_2(state_len)
     bcs = min(triton.next_power_of_2(channels), max(16, 2048 // lp))
@@ -320,6 +341,6 @@ def causal_conv1d_varlen(
         x, conv_state, query_start_loc, state_slots, has_init,
         channels,
         x.stride(0), x.stride(1), *conv_state.stride(),
-        LST=state_len, LP=lp, BC=bcs, num_warps=4,
+        LST=state_len, LP=lp, BC=bcs, num_warps=4, **launch_options(x)
     )
     return result()

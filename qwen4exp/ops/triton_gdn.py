@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .gated_delta import recurrent_gated_delta_rule_ref
+from .triton_pdl import launch_options, pdl_start
 
 # Triton decides at decoration time whether a kernel runs in its interpreter; the flag is fixed at import here alike.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -100,8 +101,9 @@ def _fused_recurrent_gdn_kernel(
     stride_ib, stride_il, stride_ih, stride_ik, stride_iv,
     scale,
     L: tl.constexpr, HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, STORE_INTER: tl.constexpr,
-    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, INTERPRETED: tl.constexpr,
+    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // HEAD_RATIO
@@ -197,7 +199,7 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         dk ** -0.5,
         L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
         RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, INTERPRETED=_INTERPRETED,
-        num_warps=_num_warps(dk, bv),
+        num_warps=_num_warps(dk, bv), **launch_options(q)
     )
     return out
 

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, pdl_start
+
 MAX_TOKENS = 1
 # products held per program (fp32 values): ~64 registers a thread at 4 warps
 _BUDGET = 8192
@@ -39,8 +41,9 @@ def _hc_down_kernel(
     T, H, R, NROWS, NCHUNKS, eps,
     stride_x, stride_w, stride_a, stride_i,
     S: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
-    BS: tl.constexpr, NCP: tl.constexpr, ROUND: tl.constexpr,
+    BS: tl.constexpr, NCP: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     rb = tl.program_id(0)
     chunk = tl.program_id(1)
     k_start = chunk * KC
@@ -96,7 +99,9 @@ def _hc_up_mix_kernel(
     T, H, R,
     stride_x, stride_wu, stride_a, stride_o,
     S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     dtype = out_ptr.dtype.element_ty
     t = tl.arange(0, BT)
     t_ok = t < T
@@ -127,15 +132,27 @@ def _hc_up_mix_kernel(
              mask=t_ok[:, None] & h_ok[None, :])
 
 
+# Grid order of `hc_prenorm`: a token's streams are adjacent programs (one flat grid), so a token's row of the
+# streams is read whole by programs that run side by side; with tokens fastest it was read in hc parts far apart in
+# time. bench/decode_kernels.py --parts grid_order times both.
+_STREAMS_FIRST = True
+
+
 @triton.jit
 def _hc_prenorm_kernel(
     s_ptr, o_ptr, inj_ptr, nw_ptr, new_ptr, normed_ptr,
     H, eps,
     stride_s, stride_o, stride_i, stride_new, stride_n,
-    COMBINE: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+    COMBINE: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr, STREAMS_FIRST: tl.constexpr, S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    stream = tl.program_id(1)
+    pdl_start(PDL)
+    if STREAMS_FIRST:
+        t = (tl.program_id(0) // S).to(tl.int64)
+        stream = tl.program_id(0) % S
+    else:
+        t = tl.program_id(0).to(tl.int64)
+        stream = tl.program_id(1)
     dtype = normed_ptr.dtype.element_ty
     h = tl.arange(0, BLOCK)
     m = h < H
@@ -171,15 +188,16 @@ def hc_prenorm(streams, norm_weight, eps: float, hc: int, block_out=None, inject
     normed = torch.empty_like(streams)
     if T:
         block = triton.next_power_of_2(H)
-        _hc_prenorm_kernel[(T, hc)](
+        _hc_prenorm_kernel[(T * hc,) if _STREAMS_FIRST else (T, hc)](
             streams, block_out if combine else streams, inject if combine else streams, norm_weight, new, normed,
             H, eps,
             streams.stride(0), block_out.stride(0) if combine else 0, inject.stride(0) if combine else 0,
             new.stride(0), normed.stride(0),
             COMBINE=combine, BLOCK=block, ROUND="rtne" if streams.dtype != torch.float32 else None,
+            STREAMS_FIRST=_STREAMS_FIRST, S=hc,
             num_warps=max(1, min(8, block // 512)),
             # else the product and the sum become one bf16 FMA (one rounding where the eager combine has two)
-            enable_fp_fusion=False,
+            enable_fp_fusion=False, **launch_options(streams)
         )
     return new, normed
 
@@ -237,7 +255,7 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
         T, H, rank, rows, n_chunks, eps,
         streams.stride(0), w_down_inject.stride(0), act.stride(0), inj.stride(0),
         S=hc, BT=bt, BR=block_rows, KC=kc, BK=bk, BS=min(triton.next_power_of_2(H), max(16, _BUDGET // (2 * bt))),
-        NCP=triton.next_power_of_2(n_chunks), ROUND=round_mode, num_warps=4,
+        NCP=triton.next_power_of_2(n_chunks), ROUND=round_mode, num_warps=4, **launch_options(streams)
     )
     sp = triton.next_power_of_2(hc)
     _hc_up_mix_kernel[(triton.cdiv(H, block_h),)](
@@ -245,6 +263,6 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
         T, H, rank,
         streams.stride(0), w_up.stride(0), act.stride(0), out.stride(0),
         S=hc, SP=sp, BT=bt, BH=block_h, BK=min(triton.next_power_of_2(rank), max(16, _BUDGET // (sp * bt * block_h))),
-        ROUND=round_mode, num_warps=4,
+        ROUND=round_mode, num_warps=4, **launch_options(streams)
     )
     return out, (inj if inject else None)

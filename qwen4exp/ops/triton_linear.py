@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, pdl_start
+
 # tokens per call up to which the kernel is dispatched: from T = 2 cuBLAS was faster at every decode shape (H200,
 # bench/decode_kernels.py --parts gemv)
 MAX_TOKENS = 1
@@ -31,8 +33,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, T, N, stride_x, stride_w, stride_y,
-    K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     t = tl.arange(0, BT)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t3 = t[:, None, None]
@@ -82,6 +85,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, bloc
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, y, T, N, x.stride(0), weight.stride(0), y.stride(0),
         K=K, BT=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps or tiles["num_warps"],
+        num_warps=num_warps or tiles["num_warps"], **launch_options(x)
     )
     return y

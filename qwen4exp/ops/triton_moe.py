@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .triton_gdn import _round_to
+from .triton_pdl import launch_options, pdl_start
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -82,11 +83,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 @triton.jit(do_not_specialize=["P", "NUM_BLOCKS", "TAIL"])
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, P, E, NUM_BLOCKS,
                       BLOCK_M: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NBB: tl.constexpr,
-                      TAIL):
+                      TAIL, PDL: tl.constexpr):
     """moe_align with one program per expert. Every program histograms all pairs (cheap at decode sizes) to find
     where its expert's padded run starts, then writes its pairs in their original order (a running count), pads
     its run and names its blocks; program 0 also writes the unused tail and the padded total. Nothing has to be
     filled beforehand."""
+    pdl_start(PDL)
     e = tl.program_id(0)
     i = tl.arange(0, PB)
     x = tl.arange(0, EB)
@@ -140,8 +142,97 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     _moe_align_kernel[(num_experts,)](flat, sorted_token_ids, expert_ids, num_tokens_post_padded, num_pairs,
                                       num_experts, num_blocks, BLOCK_M=block_m, PB=pb,
                                       EB=triton.next_power_of_2(num_experts + 1),
-                                      NBB=triton.next_power_of_2(max_blocks), TAIL=tail, num_warps=4)
+                                      NBB=triton.next_power_of_2(max_blocks), TAIL=tail, num_warps=4,
+                                      **launch_options(flat))
     return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Expert order of the grouped path (prefill): a stable counting sort in three launches
+# ---------------------------------------------------------------------------------------------------------------------
+
+# pairs a program of the count and place launches takes; the place launch ranks them SORT_SUB at a time
+SORT_BLOCK = 1024
+SORT_SUB = 64
+
+
+@triton.jit
+def _sort_count_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
+    """counts[b, e]: pairs of block b routed to expert e."""
+    pdl_start(PDL)
+    b = tl.program_id(0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + i, mask=i < P, other=E).to(tl.int32)  # past the end: bin E, never stored
+    x = tl.arange(0, EB)
+    tl.store(counts_ptr + b * E + x, tl.histogram(expert, EB), mask=x < E)
+
+
+@triton.jit
+def _sort_base_kernel(counts_ptr, base_ptr, offs_ptr, NB, E, RB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
+    """One program: offs[e] = pairs of experts <= e (the grouped GEMM's group ends); base[b, e] = where block b's
+    first pair of expert e goes (pairs of experts < e, then of expert e in blocks < b)."""
+    pdl_start(PDL)
+    x = tl.arange(0, EB)
+    r = tl.arange(0, RB)
+    x_ok = x < E
+    totals = tl.zeros([EB], dtype=tl.int32)
+    for b0 in range(0, NB, RB):
+        m = ((b0 + r) < NB)[:, None] & x_ok[None, :]
+        totals += tl.sum(tl.load(counts_ptr + (b0 + r)[:, None] * E + x[None, :], mask=m, other=0), axis=0)
+    ends = tl.cumsum(totals, axis=0)
+    tl.store(offs_ptr + x, ends, mask=x_ok)
+    carry = ends - totals
+    for b0 in range(0, NB, RB):
+        m = ((b0 + r) < NB)[:, None] & x_ok[None, :]
+        tile = tl.load(counts_ptr + (b0 + r)[:, None] * E + x[None, :], mask=m, other=0)
+        tl.store(base_ptr + (b0 + r)[:, None] * E + x[None, :], carry[None, :] + tl.cumsum(tile, axis=0) - tile,
+                 mask=m)
+        carry += tl.sum(tile, axis=0)
+
+
+@triton.jit
+def _sort_place_kernel(ids_ptr, base_ptr, order_ptr, rows_ptr, P, E, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                       EB: tl.constexpr, PDL: tl.constexpr):
+    """Each pair's sorted position: its block's base for its expert plus the pairs of the same expert before it in
+    the block (a running count per expert, then a cumulative sum over SUB pairs at a time). rows[pair] = position,
+    order[position] = pair."""
+    pdl_start(PDL)
+    b = tl.program_id(0)
+    x = tl.arange(0, EB)
+    running = tl.load(base_ptr + b * E + x, mask=x < E, other=0)
+    for s in range(0, BLOCK, SUB):
+        i = b * BLOCK + s + tl.arange(0, SUB)
+        ok = i < P
+        expert = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+        onehot = ((expert[:, None] == x[None, :]) & ok[:, None]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs ahead of it in this chunk
+        pos = tl.sum(onehot * (running[None, :] + before), axis=1)
+        tl.store(rows_ptr + i, pos.to(tl.int64), mask=ok)
+        tl.store(order_ptr + pos, i.to(tl.int64), mask=ok)
+        running += tl.sum(onehot, axis=0)
+
+
+def sort_pairs(topk_ids: torch.Tensor, num_experts: int):
+    """Same contract as `ops.moe_grouped.sort_pairs_ref` (the (token, slot) pairs in stable expert order), in three
+    launches instead of torch's radix sort, scatter_add, cumsum and inverse-permutation scatter (~14 kernels)."""
+    flat = topk_ids.reshape(-1)
+    P, dev = flat.numel(), flat.device
+    nb = triton.cdiv(P, SORT_BLOCK)
+    eb = triton.next_power_of_2(num_experts)
+    order = torch.empty(P, dtype=torch.int64, device=dev)
+    rows = torch.empty(P, dtype=torch.int64, device=dev)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    if P == 0:
+        offs.zero_()
+        return order, offs, rows
+    counts = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
+    base = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
+    _sort_count_kernel[(nb,)](flat, counts, P, num_experts, BLOCK=SORT_BLOCK,
+                              EB=triton.next_power_of_2(num_experts + 1), num_warps=4, **launch_options(flat))
+    _sort_base_kernel[(1,)](counts, base, offs, nb, num_experts, RB=16, EB=eb, num_warps=4, **launch_options(counts))
+    _sort_place_kernel[(nb,)](flat, base, order, rows, P, num_experts, BLOCK=SORT_BLOCK, SUB=SORT_SUB, EB=eb,
+                              num_warps=4, **launch_options(flat))
+    return order, offs, rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -244,8 +335,9 @@ def _gate_up_kernel(
     stride_we, stride_wn, stride_wk,
     stride_am, stride_an,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, I, BLOCK_N, GROUP_M)
     # The grid is sized for the worst case; blocks past the real padded count have nothing to do.
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -298,8 +390,9 @@ def _down_kernel(
     stride_we, stride_wn, stride_wk,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, H, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return
@@ -344,9 +437,10 @@ def _down_kernel(
 def _pair_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, act_ptr, top_k, hidden, inter,
     stride_xn, stride_we, stride_wr, stride_an,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr
 ):
     """One (token, expert) pair x one tile of the intermediate: silu(gate_e x) * up_e x."""
+    pdl_start(PDL)
     pair = tl.program_id(0)
     token = pair // top_k
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -375,11 +469,12 @@ def _pair_down_kernel(
     act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter, num_pairs,
     stride_an, stride_we, stride_wr, stride_on,
     sg_ptr, su_ptr, sw_ptr, shared_inter, stride_sg, stride_su, stride_sw,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr
 ):
     """One pair x one tile of the hidden dim: routing weight * down_e(act). With HAS_SHARED, programs past the
     pairs compute row num_pairs + n = down_shared(silu(gate_n) * up_n) for token n (unweighted), its activation
     formed here from the router GEMM's output rather than by two more launches."""
+    pdl_start(PDL)
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < hidden
@@ -434,7 +529,7 @@ def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_e
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
         x, gate_up, ids, act, top_k, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        act.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_options(x)
     )
     extra = num_tokens if shared_expert is not None else 0
     out = torch.empty(pairs + extra, hidden, dtype=x.dtype, device=x.device)
@@ -447,7 +542,7 @@ def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_e
     _pair_down_kernel[(pairs + extra, triton.cdiv(hidden, down_block_n))](
         act, down, ids, wts, out, hidden, inter, pairs, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *shared_args, BLOCK_N=down_block_n, BLOCK_K=down_block_k, HAS_SHARED=shared_expert is not None,
-        ROUND=_rounding(x.dtype), num_warps=num_warps,
+        ROUND=_rounding(x.dtype), num_warps=num_warps, **launch_options(act)
     )
     if shared_expert is not None:
         shared = (out[pairs:], shared_expert[3])
@@ -503,7 +598,7 @@ def fused_moe(
         act.stride(0), act.stride(1),
         BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         EVEN_K=hidden % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(x)
     )
 
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -518,7 +613,7 @@ def fused_moe(
         out_pairs.stride(0), out_pairs.stride(1),
         BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(act)
     )
     _join(shared_stream)
     return sum_pairs(out_pairs, top_k, shared=shared)
@@ -532,7 +627,8 @@ def _join(stream: torch.cuda.Stream | None) -> None:
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, N, inter, stride_g, stride_o,
-                     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     m = (rows < N)[:, None] & (cols < inter)[None, :]
@@ -556,6 +652,7 @@ def silu_mul_halves(gate_up: torch.Tensor, block_n: int = 32, block_i: int = 128
         _silu_mul_kernel[(triton.cdiv(N, block_n), triton.cdiv(inter, block_i))](
             gate_up, out, N, inter, gate_up.stride(0), out.stride(0),
             BLOCK_N=block_n, BLOCK_I=block_i, BF16=gate_up.dtype == torch.bfloat16, num_warps=num_warps,
+            **launch_options(gate_up),
         )
     return out
 
@@ -565,8 +662,9 @@ def _sum_pairs_kernel(
     y_ptr, rows_ptr, w_ptr, shared_ptr, logit_ptr, out_ptr, hidden,
     stride_y, stride_s, stride_l, stride_o,
     TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SHARED: tl.constexpr,
-    BLOCK: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
@@ -612,7 +710,7 @@ def sum_pairs(y, top_k: int, rows=None, weights=None, shared=None) -> torch.Tens
         shared_out, logit, out, hidden,
         y.stride(0), shared_out.stride(0), logit.stride(0), out.stride(0),
         TOP_K=top_k, HAS_ROWS=rows is not None, HAS_WEIGHTS=weights is not None, HAS_SHARED=shared is not None,
-        BLOCK=block, ROUND=_rounding(y.dtype), num_warps=4,
+        BLOCK=block, ROUND=_rounding(y.dtype), num_warps=4, **launch_options(y)
     )
     return out
 
@@ -632,9 +730,11 @@ def sum_pairs_ref(y, top_k: int, rows=None, weights=None, shared=None) -> torch.
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, ROUND: tl.constexpr):
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, ROUND: tl.constexpr,
+                  PDL: tl.constexpr):
     """One token: softmax over the experts in fp32, the top-k by repeated argmax (lowest index among equals),
     optionally renormalised; weights in the logits' dtype, in descending order."""
+    pdl_start(PDL)
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < num_experts
@@ -670,5 +770,5 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
     if n:
         _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                             RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                            ROUND=_rounding(logits.dtype), num_warps=num_warps)
+                            ROUND=_rounding(logits.dtype), num_warps=num_warps, **launch_options(logits))
     return weights, ids

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .triton_gdn import _round_to
+from .triton_pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -21,7 +22,9 @@ def _gated_rms_norm_kernel(
     R, HEADS, eps,
     stride_xt, stride_xh, stride_gt, stride_gh, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_R: tl.constexpr, SILU: tl.constexpr, ROUND_PRODUCT: tl.constexpr, BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     dtype = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
@@ -64,7 +67,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
             x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), out.stride(0), out.stride(1),
             D=D, BLOCK_R=block_rows, SILU=activation != "sigmoid",
             ROUND_PRODUCT=low and torch.promote_types(weight.dtype, x.dtype) == x.dtype,
-            BF16=x.dtype == torch.bfloat16, num_warps=num_warps,
+            BF16=x.dtype == torch.bfloat16, num_warps=num_warps, **launch_options(x)
         )
     return out.reshape(shape)
 
@@ -74,8 +77,9 @@ def _rms_norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
     R, HEADS, eps,
     stride_xt, stride_xh, stride_ct, stride_st,
-    D: tl.constexpr, ROT: tl.constexpr, BLOCK_R: tl.constexpr, BF16: tl.constexpr,
+    D: tl.constexpr, ROT: tl.constexpr, BLOCK_R: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_start(PDL)
     dtype = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
@@ -121,5 +125,6 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
             x, weight, cos, sin, out, rows, heads, eps,
             x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
             D=D, ROT=cos.shape[1], BLOCK_R=block_rows, BF16=x.dtype == torch.bfloat16, num_warps=num_warps,
+            **launch_options(x),
         )
     return out

@@ -297,3 +297,25 @@ def test_shared_expert_on_a_side_stream_is_joined_eagerly_and_in_graphs():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, in_line())
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,skew", [(3, 2, 8, False), (250, 10, 128, False), (130, 8, 6, True),
+                                                       (103, 10, 128, True), (1, 1, 4, False)])
+def test_sort_pairs_is_the_stable_expert_order(tokens, top_k, experts, skew):
+    """The grouped path's counting sort (three launches; several 1024-pair blocks here) gives exactly torch's stable
+    argsort, the group ends and the inverse permutation, with experts left empty and runs crossing blocks."""
+    from qwen4exp.ops.moe_grouped import sort_pairs_ref
+    from qwen4exp.ops.triton_moe import sort_pairs
+
+    g = torch.Generator().manual_seed(tokens + experts)
+    if skew:  # most pairs on two experts, some experts unused
+        few = torch.randint(0, 2, (tokens, top_k), generator=g)
+        ids = torch.where(torch.rand(tokens, top_k, generator=g) < 0.8, few,
+                          torch.randint(0, experts, (tokens, top_k), generator=g))
+    else:
+        ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    for dtype in (torch.int64, torch.int32):
+        got = on_device(sort_pairs)(ids.to(dtype), experts)
+        want = sort_pairs_ref(ids.to(dtype), experts)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b), (a, b)
