@@ -354,6 +354,15 @@ def bench_gdn(results):
     results["gdn"] = rows
 
 
+def _varlen_layout(n, L, C, K, dt, dev):
+    """n prompts of L tokens from empty states: query_start_loc, each token's request and position in it, the state
+    slots (1..n), no initial states, a zero conv state per slot."""
+    T = n * L
+    return (torch.arange(0, T + 1, L, device=dev), torch.arange(T, device=dev) // L, torch.arange(T, device=dev) % L,
+            torch.arange(1, n + 1, device=dev), torch.zeros(n, dtype=torch.bool, device=dev),
+            torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt))
+
+
 def bench_conv(results):
     """GDN causal conv (10240 channels, 4 taps, bf16 state [S, C, 3]): the update kernel at batch 1 and 64 and the
     varlen kernel at 8 x 1024 tokens, against the torch reference, over tile sizes."""
@@ -389,12 +398,7 @@ def bench_conv(results):
     n, L = 8, 1024
     T = n * L
     x = torch.randn(T, C, device=dev, generator=g).to(dt)
-    qsl = torch.arange(0, T + 1, L, device=dev)
-    token_req = torch.arange(T, device=dev) // L
-    token_local = torch.arange(T, device=dev) % L
-    slots = torch.arange(1, n + 1, device=dev)
-    has_init = torch.zeros(n, dtype=torch.bool, device=dev)
-    state = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
+    qsl, token_req, token_local, slots, has_init, state = _varlen_layout(n, L, C, K, dt, dev)
     # as in the model: q, k, v are the first 10240 columns of GDN's [T, 16480] in_proj output, written planar
     x_model = torch.randn(T, 16480, device=dev, generator=g).to(dt)[:, :C]
     for layout, xs, split in (("contiguous", x, None), ("model", x_model, (2048, 2048, 6144))):
@@ -865,12 +869,7 @@ def bench_grid_order(results, layers=36, rounds=3):
     n, L = 8, 1024
     T = n * L
     xs = torch.randn(T, 16480, device=dev, generator=g).to(dt)[:, :C]
-    qsl = torch.arange(0, T + 1, L, device=dev)
-    token_req = torch.arange(T, device=dev) // L
-    token_local = torch.arange(T, device=dev) % L
-    vslots = torch.arange(1, n + 1, device=dev)
-    vinit = torch.zeros(n, dtype=torch.bool, device=dev)
-    vstate = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
+    qsl, token_req, token_local, vslots, vinit, vstate = _varlen_layout(n, L, C, K, dt, dev)
 
     def varlen_call():
         return lambda: triton_conv.causal_conv1d_varlen(xs, w, vstate, qsl, token_req, token_local, vslots, vinit,
