@@ -41,6 +41,8 @@
             counting sort, 512-16384 tokens x top-10 of 128.
   grid_order (not in the default parts): the conv update (batch 64), the varlen conv and the hyper-connection
             prenorm (8192 tokens) with their grids ordered tiles-first (the default) and rows-first, alternating.
+  autotune_linear (not in the default parts): the decode projections at 16 and 64 tokens through F.linear (cuBLAS)
+            and through inductor's max-autotune of the same GEMM, alternating; us per step saved.
   pdl (not in the default parts): a chain of 192 small Triton kernels in a CUDA graph, plain against programmatic
             dependent launch (gdc_wait first; and with an independent load before the wait): us per kernel.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
@@ -584,6 +586,54 @@ def bench_gemm_layouts(results, shapes=LAYOUT_SHAPES, token_counts=(64, 8192), d
     results["gemm_layouts"] = rows
 
 
+def bench_autotune_linear(results, shapes=LAYOUT_SHAPES, token_counts=(16, 64), dev="cuda"):
+    """F.linear (cuBLAS's heuristic choice) against inductor's max-autotune of the same GEMM (its Triton templates,
+    split-K decompositions and cuBLAS, benchmarked at compile time for this exact shape) at the decode projections,
+    alternating; each call reads a weight no longer in L2. Per step, the microseconds the autotuned GEMM would save:
+    the M = 64 GEMMs of the batch-64 step take ~1.5 ms more than their weights' bytes at the copy bandwidth."""
+    dt = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for name, n, k, calls in shapes:
+        nbytes = n * k * 2
+        copies = min(max(calls, 4), -(-(256 << 20) // nbytes))
+        weights = [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+        for tokens in token_counts:
+            x = torch.randn(tokens, k, device=dev, generator=g).to(dt)
+            tuned = torch.compile(lambda a, w: torch.nn.functional.linear(a, w), mode="max-autotune-no-cudagraphs",
+                                  dynamic=False)
+            variants = {"cublas": torch.nn.functional.linear, "autotuned": tuned}
+            row = dict(name=name, n=n, k=k, calls=calls, tokens=tokens, cublas_us=[], autotuned_us=[])
+            try:
+                ref = torch.nn.functional.linear(x, weights[0]).float()
+                row["max_diff"] = (tuned(x, weights[0]).float() - ref).abs().max().item()
+                for _ in range(2):
+                    for label, fn in variants.items():
+                        state = {"i": 0}
+
+                        def call(fn=fn):
+                            fn(x, weights[state["i"] % copies])
+                            state["i"] += 1
+                        row[label + "_us"].append(per_call_us(call, calls=max(calls, 4)))
+            except Exception as e:  # an autotuning failure is a result too
+                row["error"] = repr(e)[:300]
+                print(f"autotune_linear {name} T={tokens}: {row['error']}", flush=True)
+                rows.append(row)
+                continue
+            row["saves_us_per_step"] = calls * (min(row["cublas_us"]) - min(row["autotuned_us"]))
+            rows.append(row)
+            print(f"autotune_linear {name} [{n}, {k}] T={tokens}: cublas {min(row['cublas_us']):7.2f} us, "
+                  f"autotuned {min(row['autotuned_us']):7.2f} us ({nbytes / min(row['autotuned_us']) / 1e3:5.0f} "
+                  f"GB/s), max diff {row['max_diff']:.3g}; saves {row['saves_us_per_step']:.0f} us per step",
+                  flush=True)
+        weights.clear()
+        torch.cuda.empty_cache()
+    for tokens in token_counts:
+        total = sum(r.get("saves_us_per_step", 0) for r in rows if r["tokens"] == tokens)
+        print(f"autotune_linear: the autotuned GEMMs save {total:.0f} us per step of {tokens} tokens", flush=True)
+    results["autotune_linear"] = rows
+
+
 def bench_blas_backends(results, shapes=LAYOUT_SHAPES + (("lm_head", 151936, 2560, 1),), token_counts=(1, 64, 8192),
                         dev="cuda"):
     """F.linear through cuBLAS (torch's default) and through cuBLASLt (`torch.backends.cuda.preferred_blas_library`),
@@ -972,7 +1022,7 @@ def main():
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
-             "grid_order": bench_grid_order,
+             "grid_order": bench_grid_order, "autotune_linear": bench_autotune_linear,
              "pdl": bench_pdl}
     for part in a.parts.split(","):
         parts[part](results)
