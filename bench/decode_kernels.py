@@ -43,6 +43,9 @@
             prenorm (8192 tokens) with their grids ordered tiles-first (the default) and rows-first, alternating.
   autotune_linear (not in the default parts): the decode projections at 16 and 64 tokens through F.linear (cuBLAS)
             and through inductor's max-autotune of the same GEMM, alternating; us per step saved.
+  hc_autotune (not in the default parts): the hyper-connection mix after its norm compiled as the model compiles it
+            against inductor's max-autotune (Triton GEMM templates with fused epilogues where they win), static
+            shapes, at 16, 64 and 8192 tokens.
   pdl (not in the default parts): a chain of 192 small Triton kernels in a CUDA graph, plain against programmatic
             dependent launch (gdc_wait first; and with an independent load before the wait): us per kernel.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
@@ -454,6 +457,48 @@ def bench_hc_batch(results):
               f"max |diff| {row['max_abs_diff']:.3g} (streams {row['streams_bytes'] / 1e6:.1f} MB)", flush=True)
         rows.append(row)
     results["hc_batch"] = rows
+
+
+def bench_hc_autotune(results, token_counts=(16, 64, 8192), copies=24):
+    """The hyper-connection mix after its norm (`hc_mix_normed`: down GEMM, activations, up GEMM, gate and stream
+    mean) compiled as the model compiles it (cuBLAS GEMMs, inductor's elementwise kernels) against inductor's
+    max-autotune (Triton GEMM templates where they win, with the elementwise work fused into their epilogues), static
+    shapes, alternating; `copies` weight sets so no call finds its weights in L2. us per call and max |diff|."""
+    from qwen4exp.ops.hyper_connection import hc_mix_normed
+
+    hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    sets = [((torch.randn(rank + hc + 4, hc * hidden, device=dev, generator=g) / (hc * hidden) ** 0.5).to(dt),
+             (torch.randn(hc * hidden, rank, device=dev, generator=g) / rank**0.5).to(dt)) for _ in range(copies)]
+    rows = []
+    for tokens in token_counts:
+        normed = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
+        variants = {"default": torch.compile(hc_mix_normed.eager, fullgraph=True, dynamic=False),
+                    "autotuned": torch.compile(hc_mix_normed.eager, fullgraph=True, dynamic=False,
+                                               mode="max-autotune-no-cudagraphs")}
+        row = {"tokens": tokens, "default_us": [], "autotuned_us": []}
+        try:
+            outs = {k: fn(normed, *sets[0], hc, rank, True) for k, fn in variants.items()}
+            row["max_diff"] = max((a.float() - b.float()).abs().max().item()
+                                  for a, b in zip(outs["default"], outs["autotuned"]))
+            for _ in range(2):
+                for label, fn in variants.items():
+                    state = {"i": 0}
+
+                    def call(fn=fn):
+                        fn(normed, *sets[state["i"] % copies], hc, rank, True)
+                        state["i"] += 1
+                    row[label + "_us"].append(per_call_us(call, calls=96 if tokens <= 64 else 8))
+        except Exception as e:
+            row["error"] = repr(e)[:300]
+            print(f"hc_autotune T={tokens}: {row['error']}", flush=True)
+            rows.append(row)
+            continue
+        rows.append(row)
+        print(f"hc_autotune T={tokens}: default {min(row['default_us']):.2f} us, autotuned "
+              f"{min(row['autotuned_us']):.2f} us, max |diff| {row['max_diff']:.3g}; x96 a step: "
+              f"{96 * (min(row['default_us']) - min(row['autotuned_us'])):.0f} us saved", flush=True)
+    results["hc_autotune"] = rows
 
 
 # (requests, new tokens each, tokens already cached each): two prompt steps from scratch, and chunks after a prefix
@@ -1023,6 +1068,7 @@ def main():
              "blas_backends": bench_blas_backends, "norms": bench_norms,
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
              "grid_order": bench_grid_order, "autotune_linear": bench_autotune_linear,
+             "hc_autotune": bench_hc_autotune,
              "pdl": bench_pdl}
     for part in a.parts.split(","):
         parts[part](results)
