@@ -41,11 +41,11 @@
             counting sort, 512-16384 tokens x top-10 of 128.
   grid_order (not in the default parts): the conv update (batch 64), the varlen conv and the hyper-connection
             prenorm (8192 tokens) with their grids ordered tiles-first (the default) and rows-first, alternating.
-  autotune_linear (not in the default parts): the decode projections at 16 and 64 tokens through F.linear (cuBLAS)
+  autotune_linear (not in the default parts): the decode projections at 64 tokens through F.linear (cuBLAS)
             and through inductor's max-autotune of the same GEMM, alternating; us per step saved.
   hc_autotune (not in the default parts): the hyper-connection mix after its norm compiled as the model compiles it
             against inductor's max-autotune (Triton GEMM templates with fused epilogues where they win), static
-            shapes, at 16, 64 and 8192 tokens.
+            shapes, at 64 tokens.
   pdl (not in the default parts): a chain of 192 small Triton kernels in a CUDA graph, plain against programmatic
             dependent launch (gdc_wait first; and with an independent load before the wait): us per kernel.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
@@ -459,7 +459,7 @@ def bench_hc_batch(results):
     results["hc_batch"] = rows
 
 
-def bench_hc_autotune(results, token_counts=(16, 64, 8192), copies=24):
+def bench_hc_autotune(results, token_counts=(64,), copies=24):
     """The hyper-connection mix after its norm (`hc_mix_normed`: down GEMM, activations, up GEMM, gate and stream
     mean) compiled as the model compiles it (cuBLAS GEMMs, inductor's elementwise kernels) against inductor's
     max-autotune (Triton GEMM templates where they win, with the elementwise work fused into their epilogues), static
@@ -631,7 +631,7 @@ def bench_gemm_layouts(results, shapes=LAYOUT_SHAPES, token_counts=(64, 8192), d
     results["gemm_layouts"] = rows
 
 
-def bench_autotune_linear(results, shapes=LAYOUT_SHAPES, token_counts=(16, 64), dev="cuda"):
+def bench_autotune_linear(results, shapes=LAYOUT_SHAPES, token_counts=(64,), dev="cuda"):
     """F.linear (cuBLAS's heuristic choice) against inductor's max-autotune of the same GEMM (its Triton templates,
     split-K decompositions and cuBLAS, benchmarked at compile time for this exact shape) at the decode projections,
     alternating; each call reads a weight no longer in L2. Per step, the microseconds the autotuned GEMM would save:
