@@ -94,6 +94,14 @@ def per_call_us(fn, calls, reps=30):
     return sorted(times)[len(times) // 2]
 
 
+def weight_copies(n, k, calls, g, dt, dev):
+    """Copies of a random [n, k] weight, at least 256 MB of them (and at least min(calls, 4)), so that calls cycling
+    through them never find theirs in L2, as each layer reads its own weight."""
+    nbytes = n * k * 2
+    copies = min(max(calls, 4), -(-(256 << 20) // nbytes))
+    return [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+
+
 def bench_hc(results):
     hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -232,8 +240,8 @@ def bench_gemv(results):
     out = []
     for name, n, k, calls in GEMV_SHAPES:
         nbytes = n * k * 2
-        copies = min(max(calls, 4), -(-(256 << 20) // nbytes))
-        weights = [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+        weights = weight_copies(n, k, calls, g, dt, dev)
+        copies = len(weights)
         timed_calls = max(calls, 4)
 
         def run(fn, x):
@@ -594,8 +602,8 @@ def bench_gemm_layouts(results, shapes=LAYOUT_SHAPES, token_counts=(64, 8192), d
     rows = []
     for name, n, k, calls in shapes:
         nbytes = n * k * 2
-        copies = min(max(calls, 4), -(-(256 << 20) // nbytes))  # each call reads a weight no longer in L2
-        weights = [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+        weights = weight_copies(n, k, calls, g, dt, dev)
+        copies = len(weights)
         transposed = [w.t().contiguous() for w in weights]
         variants = {"TN": lambda x, i: torch.nn.functional.linear(x, weights[i]),
                     "NN": lambda x, i: torch.mm(x, transposed[i])}
@@ -641,8 +649,8 @@ def bench_autotune_linear(results, shapes=LAYOUT_SHAPES, token_counts=(64,), dev
     rows = []
     for name, n, k, calls in shapes:
         nbytes = n * k * 2
-        copies = min(max(calls, 4), -(-(256 << 20) // nbytes))
-        weights = [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+        weights = weight_copies(n, k, calls, g, dt, dev)
+        copies = len(weights)
         for tokens in token_counts:
             x = torch.randn(tokens, k, device=dev, generator=g).to(dt)
             tuned = torch.compile(lambda a, w: torch.nn.functional.linear(a, w), mode="max-autotune-no-cudagraphs",
@@ -689,9 +697,8 @@ def bench_blas_backends(results, shapes=LAYOUT_SHAPES + (("lm_head", 151936, 256
     rows = []
     try:
         for name, n, k, calls in shapes:
-            nbytes = n * k * 2
-            copies = min(max(calls, 4), -(-(256 << 20) // nbytes))
-            weights = [(torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt) for _ in range(copies)]
+            weights = weight_copies(n, k, calls, g, dt, dev)
+            copies = len(weights)
             for tokens in token_counts:
                 if name == "lm_head" and tokens > 64:
                     continue
