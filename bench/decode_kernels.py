@@ -39,8 +39,6 @@
             (copied) gate against its view.
   grouped_sort (not in the default parts): the grouped MoE path's expert order, torch ops against the Triton
             counting sort, 512-16384 tokens x top-10 of 128.
-  grid_order (not in the default parts): the conv update (batch 64), the varlen conv and the hyper-connection
-            prenorm (8192 tokens) with their grids ordered tiles-first (the default) and rows-first, alternating.
   autotune_linear (not in the default parts): the decode projections at 64 tokens through F.linear (cuBLAS)
             and through inductor's max-autotune of the same GEMM, alternating; us per step saved.
   hc_autotune (not in the default parts): the hyper-connection mix after its norm compiled as the model compiles it
@@ -367,15 +365,6 @@ def bench_gdn(results):
     results["gdn"] = rows
 
 
-def _varlen_layout(n, L, C, K, dt, dev):
-    """n prompts of L tokens from empty states: query_start_loc, each token's request and position in it, the state
-    slots (1..n), no initial states, a zero conv state per slot."""
-    T = n * L
-    return (torch.arange(0, T + 1, L, device=dev), torch.arange(T, device=dev) // L, torch.arange(T, device=dev) % L,
-            torch.arange(1, n + 1, device=dev), torch.zeros(n, dtype=torch.bool, device=dev),
-            torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt))
-
-
 def bench_conv(results):
     """GDN causal conv (10240 channels, 4 taps, bf16 state [S, C, 3]): the update kernel at batch 1 and 64 and the
     varlen kernel at 8 x 1024 tokens, against the torch reference, over tile sizes."""
@@ -411,7 +400,12 @@ def bench_conv(results):
     n, L = 8, 1024
     T = n * L
     x = torch.randn(T, C, device=dev, generator=g).to(dt)
-    qsl, token_req, token_local, slots, has_init, state = _varlen_layout(n, L, C, K, dt, dev)
+    qsl = torch.arange(0, T + 1, L, device=dev)
+    token_req = torch.arange(T, device=dev) // L
+    token_local = torch.arange(T, device=dev) % L
+    slots = torch.arange(1, n + 1, device=dev)
+    has_init = torch.zeros(n, dtype=torch.bool, device=dev)
+    state = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
     # as in the model: q, k, v are the first 10240 columns of GDN's [T, 16480] in_proj output, written planar
     x_model = torch.randn(T, 16480, device=dev, generator=g).to(dt)[:, :C]
     for layout, xs, split in (("contiguous", x, None), ("model", x_model, (2048, 2048, 6144))):
@@ -922,74 +916,6 @@ def bench_grouped_sort(results, token_counts=(512, 4096, 8192, 16384), dev="cuda
         print("grouped_sort", row, flush=True)
         rows.append(row)
     results["grouped_sort"] = rows
-def bench_grid_order(results, layers=36, rounds=3):
-    """Grid order of the state kernels, both orders in one process, alternating: the conv update at batch 64 and the
-    varlen conv at 8 x 1024 tokens in the model's layout (`triton_conv._CHANNELS_FIRST`), the hyper-connection
-    prenorm at 8192 tokens (`triton_hc._STREAMS_FIRST`). Each layer has its own states, as
-    in the model, so no call finds them in L2; outputs of the two orders must be identical."""
-    from qwen4exp.ops import triton_conv
-
-    dev, dt, B = "cuda", torch.bfloat16, 64
-    g = torch.Generator(device=dev).manual_seed(0)
-    out = {}
-
-    def ab(name, module, flag, make_call):
-        times = {True: [], False: []}
-        outs = {}
-        for _ in range(rounds):
-            for order in (True, False):
-                setattr(module, flag, order)
-                try:
-                    call = make_call()
-                    outs[order] = call()
-                    times[order].append(per_call_us(call, calls=layers))
-                finally:
-                    setattr(module, flag, True)
-        same = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False])) if isinstance(outs[True], tuple) \
-            else torch.equal(outs[True], outs[False])
-        out[name] = dict(new_order_us=times[True], old_order_us=times[False], identical=same)
-        print(f"grid_order {name}: new {min(times[True]):.2f} us, old {min(times[False]):.2f} us, identical {same}",
-              flush=True)
-
-    slots = torch.arange(1, B + 1, device=dev)
-    has_init = torch.ones(B, dtype=torch.bool, device=dev)
-
-    C, K = 10240, 4
-    w = (torch.randn(C, K, device=dev, generator=g) * 0.5).to(dt)
-    x = torch.randn(B, 16480, device=dev, generator=g).to(dt)[:, :C]  # the in_proj output's conv columns
-    cstates = [torch.randn(B + 1, C, K - 1, device=dev, generator=g).to(dt) for _ in range(layers)]
-
-    def conv_call():
-        i = [0]
-
-        def call():
-            i[0] += 1
-            return triton_conv.causal_conv1d_update(x, w, cstates[i[0] % layers], slots, has_init)
-        return call
-    ab("conv_update_b64", triton_conv, "_CHANNELS_FIRST", conv_call)
-
-    n, L = 8, 1024
-    T = n * L
-    xs = torch.randn(T, 16480, device=dev, generator=g).to(dt)[:, :C]
-    qsl, token_req, token_local, vslots, vinit, vstate = _varlen_layout(n, L, C, K, dt, dev)
-
-    def varlen_call():
-        return lambda: triton_conv.causal_conv1d_varlen(xs, w, vstate, qsl, token_req, token_local, vslots, vinit,
-                                                        split=(2048, 2048, 6144))
-    ab("conv_varlen_8x1024", triton_conv, "_CHANNELS_FIRST", varlen_call)
-
-    from qwen4exp.ops import triton_hc
-
-    hc, H = 4, 2560
-    streams = torch.randn(T, hc * H, device=dev, generator=g).to(dt)
-    block_out = torch.randn(T, H, device=dev, generator=g).to(dt)
-    inject = torch.rand(T, hc, device=dev, generator=g).to(dt)
-    norm_w = (torch.randn(hc * H, device=dev, generator=g) * 0.1).to(dt)
-    ab("hc_prenorm_8192", triton_hc, "_STREAMS_FIRST",
-       lambda: (lambda: triton_hc.hc_prenorm(streams, norm_w, 1e-6, hc, block_out, inject)))
-    results["grid_order"] = out
-
-
 def bench_pdl(results, kernels=192, dev="cuda"):
     """Does programmatic dependent launch shorten kernel boundaries inside a CUDA graph? A chain of small Triton
     kernels (each adds 1 to the previous one's [64, 2560] output; 40 programs) captured three ways: plain launches;
@@ -1074,7 +1000,7 @@ def main():
              "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
-             "grid_order": bench_grid_order, "autotune_linear": bench_autotune_linear,
+             "autotune_linear": bench_autotune_linear,
              "hc_autotune": bench_hc_autotune,
              "pdl": bench_pdl}
     for part in a.parts.split(","):

@@ -156,7 +156,7 @@ SORT_BLOCK = 1024
 SORT_SUB = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # varies with the step's tokens
 def _sort_count_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
     """counts[b, e]: pairs of block b routed to expert e."""
     pdl_start(PDL)
@@ -167,7 +167,7 @@ def _sort_count_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr, EB: tl.co
     tl.store(counts_ptr + b * E + x, tl.histogram(expert, EB), mask=x < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB"])  # varies with the step's tokens
 def _sort_base_kernel(counts_ptr, base_ptr, offs_ptr, NB, E, RB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
     """One program: offs[e] = pairs of experts <= e (the grouped GEMM's group ends); base[b, e] = where block b's
     first pair of expert e goes (pairs of experts < e, then of expert e in blocks < b)."""
@@ -190,7 +190,7 @@ def _sort_base_kernel(counts_ptr, base_ptr, offs_ptr, NB, E, RB: tl.constexpr, E
         carry += tl.sum(tile, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # varies with the step's tokens
 def _sort_place_kernel(ids_ptr, base_ptr, order_ptr, rows_ptr, P, E, BLOCK: tl.constexpr, SUB: tl.constexpr,
                        EB: tl.constexpr, PDL: tl.constexpr):
     """Each pair's sorted position: its block's base for its expert plus the pairs of the same expert before it in

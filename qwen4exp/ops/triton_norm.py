@@ -17,6 +17,14 @@ from .triton_pdl import launch_options, pdl_start
 
 
 @triton.jit
+def _head_rows(R, HEADS, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows of a [T, HEADS, D] tensor seen as R = T * HEADS rows: row ids, in range, token,
+    head, and the dimension offsets."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows, rows < R, rows // HEADS, rows % HEADS, tl.arange(0, D)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, gate_ptr, w_ptr, out_ptr,
     R, HEADS, eps,
@@ -26,10 +34,7 @@ def _gated_rms_norm_kernel(
 ):
     pdl_start(PDL)
     dtype = out_ptr.dtype.element_ty
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < R
-    t, h = rows // HEADS, rows % HEADS
-    d = tl.arange(0, D)
+    rows, ok, t, h, d = _head_rows(R, HEADS, D, BLOCK_R)
     x = tl.load(x_ptr + (t * stride_xt + h * stride_xh)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
@@ -81,10 +86,7 @@ def _rms_norm_rope_kernel(
 ):
     pdl_start(PDL)
     dtype = out_ptr.dtype.element_ty
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < R
-    t, h = rows // HEADS, rows % HEADS
-    d = tl.arange(0, D)
+    rows, ok, t, h, d = _head_rows(R, HEADS, D, BLOCK_R)
     half: tl.constexpr = ROT // 2
     rot = d < ROT
     # rotate_half's partner of dimension d (NeoX pairs (i, i + ROT/2)); itself outside the rotated part

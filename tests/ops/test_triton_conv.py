@@ -183,30 +183,3 @@ def test_varlen_split_output_equals_split_of_the_full_output(split, block_c):
     for got, want in zip(parts, full.split(list(split), -1)):
         assert torch.equal(got, want)
     assert torch.equal(split_state, full_state)
-
-
-def test_grid_orders_compute_the_same(monkeypatch):
-    """The kernels' grids run channel tiles fastest (for memory locality; bench/decode_kernels.py --parts grid_order
-    times both): the rows-first order gives identical outputs and states, update and varlen, split output included."""
-    from qwen4exp.ops import triton_conv
-
-    channels, kernel = 96, 4
-    gen = torch.Generator().manual_seed(11)
-    weight = torch.randn(channels, kernel, generator=gen)
-    state = torch.randn(NUM_SLOTS, channels, kernel - 1, generator=gen)
-    slots, has_init = torch.tensor([4, 1, 6]), torch.tensor([True, False, True])
-    x1 = torch.randn(3, channels, generator=gen)
-    lengths = [1, 6, 40]
-    qsl = torch.tensor([0, 1, 7, 47], dtype=torch.int32)
-    xv = torch.randn(47, channels, generator=gen)
-    token_req = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)])
-    token_local = torch.tensor([i for n in lengths for i in range(n)])
-    results = []
-    for order in (True, False):
-        monkeypatch.setattr(triton_conv, "_CHANNELS_FIRST", order)
-        s1, s2 = state.clone(), state.clone()
-        up = on_device(causal_conv1d_update)(x1, weight, s1, slots, has_init, block_c=32)
-        parts = on_device(causal_conv1d_varlen)(xv, weight, s2, qsl, token_req, token_local, slots, has_init,
-                                                block_t=16, block_c=32, split=(32, 32, 32))
-        results.append((up, s1, *parts, s2))
-    assert all(torch.equal(a, b) for a, b in zip(*results))

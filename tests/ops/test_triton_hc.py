@@ -148,21 +148,3 @@ def test_mix_activates_rank_and_inject_columns_like_separate_slices(dtype, injec
         assert same(inj, 2 * torch.sigmoid(down[:, rank: rank + hc] / hc))
     else:
         assert inj is None
-
-
-def test_prenorm_grid_orders_compute_the_same(monkeypatch):
-    """hc_prenorm's grid runs a token's streams side by side (memory locality; bench/decode_kernels.py --parts
-    grid_order times both orders): tokens-first gives identical streams and norms."""
-    from qwen4exp.ops import triton_hc
-
-    hc, hidden = 4, 80
-    g = torch.Generator().manual_seed(12)
-    streams = torch.randn(7, hc * hidden, generator=g).to(torch.bfloat16)
-    block_out = torch.randn(7, hidden, generator=g).to(torch.bfloat16)
-    inject = torch.rand(7, hc, generator=g).to(torch.bfloat16)
-    norm_w = (torch.randn(hc * hidden, generator=g) * 0.1).to(torch.bfloat16)
-    results = []
-    for order in (True, False):
-        monkeypatch.setattr(triton_hc, "_STREAMS_FIRST", order)
-        results.append(hc_prenorm(streams, norm_w, 1e-6, hc, block_out, inject))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
