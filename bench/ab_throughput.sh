@@ -5,6 +5,9 @@
 #   bash bench/ab_throughput.sh OUT_DIR ROUNDS TREE_A TREE_B [...]     e.g. trees exported with
 #   mkdir -p _br/next && git archive wip/next | tar -x -C _br/next
 #
+# A tree may carry one environment setting, TREE@VAR=VALUE (e.g. _br/next _br/next@QWEN4EXP_PDL=0): that run gets
+# it, and its name is the tree's with the setting appended.
+#
 # Writes OUT_DIR/tp_<tree name>_<round>.json (vLLM's metric names) and prints one line per run. Compare figures from
 # one machine only. PRESET, DEVICE, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN override the defaults (flash-next-128e on the
 # GPU, 64 x 1024 in / 256 out).
@@ -18,9 +21,10 @@ from qwen4exp.weights.random_checkpoint import preset_config
 json.dump(preset_config('${PRESET:-flash-next-128e}', eos_token_id=0, dtype='bfloat16'), open(sys.argv[1], 'w'))
 " "$model/config.json"
 for r in $(seq 1 "$rounds"); do
-  for tree in "$@"; do
-    name=$(basename "$tree")
-    (cd "$tree" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -m qwen4exp.entrypoints.cli bench throughput \
+  for arg in "$@"; do
+    tree=${arg%%@*}; setting=; [[ $arg == *@* ]] && setting=${arg#*@}
+    name=$(basename "$tree")${setting:+@$setting}
+    (cd "$tree" && env ${setting:+"$setting"} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -m qwen4exp.entrypoints.cli bench throughput \
       --model "$model" --load-format dummy --dtype bfloat16 ${DEVICE:+--device $DEVICE} \
       --num-prompts "${NUM_PROMPTS:-64}" --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" \
       --max-num-seqs "${NUM_PROMPTS:-64}" --output-json "$out/tp_${name}_$r.json" > /dev/null 2>&1) \

@@ -162,3 +162,29 @@ def test_serving_compiles_nothing_after_the_warm_up(max_model_len):
             assert [len(o.outputs[0].token_ids) for o in outs] == want
     assert [(e["kernel"], e["key"]) for e in log.events] == [] and log.dynamo_graphs == 0
     assert llm.llm_engine.cache.all_free()
+
+
+def test_programmatic_dependent_launch_changes_no_output(monkeypatch):
+    """With PDL each Triton kernel may launch while the kernel before it finishes, and waits before touching memory
+    (ops/triton_pdl.py). 48 requests in bf16 (eager prefill, mixed-step graphs, graph decode at batch 48 with the
+    sorted-pairs experts and the shared expert on its side stream) give bitwise the same tokens and logprobs with
+    it on and off: a kernel that read or wrote too early would show here."""
+    from qwen4exp.ops import triton_pdl
+
+    if not triton_pdl.launch_options(torch.zeros(1, device="cuda"))["PDL"]:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or later")
+    hf = hf_model(hf_config(num_experts=16, num_experts_per_tok=4, indexer_budget=16), seed=3)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [random_prompt(gen, int(n), hf.config.vocab_size) for n in torch.randint(4, 60, (48,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(triton_pdl, "_ENABLED", enabled)
+        llm = our_llm(hf, device="cuda", dtype="bfloat16", max_num_seqs=48, max_num_batched_tokens=256,
+                      num_pages=1024)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids,
+                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
+        assert llm.llm_engine.cache.all_free()
+        del llm
+    assert results[0] == results[1]
