@@ -12,6 +12,8 @@ import types
 import torch
 
 _force_reference = os.environ.get("QWEN4EXP_REFERENCE_OPS", "0") == "1"
+# Programmatic dependent launch on Hopper+ (ops/triton_pdl.py for our kernels; inductor's own for compiled ones).
+pdl_enabled = os.environ.get("QWEN4EXP_PDL", "1") != "0"
 
 
 def fast_path(x: torch.Tensor) -> bool:
@@ -42,11 +44,20 @@ def compiled_on_gpu(fn=None, *, token_dim: int = 0):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
             copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
                                       fn.__closure__)
-            compiled = variants[key] = torch.compile(copy, fullgraph=True)
+            compiled = variants[key] = torch.compile(copy, fullgraph=True, options=_compile_options())
         return compiled(*args, **kwargs)
 
     wrapper.eager = fn
     return wrapper
+
+
+def _compile_options() -> dict:
+    """inductor's programmatic dependent launch: each generated kernel waits for its predecessor before its first
+    dependent load and releases the next launch after it, as ours do (torch >= 2.9; inductor itself only generates it
+    for CUDA devices of capability 9 and up)."""
+    import torch._inductor.config as inductor_config
+
+    return {"triton.enable_pdl": True} if pdl_enabled and hasattr(inductor_config.triton, "enable_pdl") else {}
 
 
 def _static_signature(args, kwargs, token_dim: int) -> tuple:

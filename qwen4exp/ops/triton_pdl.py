@@ -8,7 +8,7 @@ launch itself (H200, a chain of 192 small kernels in a graph: 1.36 -> 1.03 us a 
 bench/decode_kernels.py --parts pdl`).
 
 Every Triton kernel here takes `PDL: tl.constexpr` and calls `pdl_start(PDL)` before touching memory; its launch
-passes `**launch_options(tensor)`. QWEN4EXP_PDL=0 turns it off.
+passes `**launch_options(tensor)`. QWEN4EXP_PDL=0 turns it off (and inductor's, `ops.compiled_on_gpu`).
 """
 import functools
 import os
@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-_ENABLED = os.environ.get("QWEN4EXP_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+from . import pdl_enabled
+
+_ENABLED = pdl_enabled and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 @functools.cache
