@@ -48,13 +48,6 @@
             dependent launch (gdc_wait first; and with an independent load before the wait): us per kernel.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
             (`triton_gdn._num_warps` overridden), alternating with the defaults.
-  l2_prefetch (not in the default parts): can a weight-bound kernel's first reads come from L2? 48 batch-64
-            MoE half-layers in a CUDA graph (the hyper-connection mix with its pending combine, the router GEMM and
-            kernel, `fused_moe`), against the same with a side-stream kernel that pulls part of the layer's gate/up
-            weights into L2 while the mix and router run (DRAM is mostly idle then): the first F bytes of each row
-            of the first NE experts, which the gate/up kernel's first wave reads first. The same for the mix and the
-            GDN in_proj GEMM, prefetching its first 8-32 MB. Bulk prefetches (cp.async.bulk.prefetch.L2, sm_90) or
-            plain loads; us per layer, alternating; outputs must be identical.
   prefill_attn (not in the default parts): dense causal attention of prefill steps (24 q heads, 2 kv heads,
             head_dim 256, page 16): `sparse_paged_attention` (the current path) against the flash-style
             `prefill_paged_attention` at its defaults and a tile sweep, 8 x 1024 and 1 x 8192 new tokens and
@@ -970,122 +963,6 @@ def bench_pdl(results, kernels=192, dev="cuda"):
     results["pdl"] = rows
 
 
-def bench_l2_prefetch(results, tokens=64, layers=48, rounds=3, dev="cuda"):
-    """See the module docstring (l2_prefetch). Two targets, each 48 times in a graph, after the mix with its pending
-    combine: the MoE half-layer (router GEMM and kernel, `fused_moe`), prefetching (mode, the first rows of gate/up,
-    F bytes of each); and the GDN in_proj GEMM [16480, 2560], prefetching its first rows whole."""
-    import triton
-    import triton.language as tl
-
-    from qwen4exp import ops
-    from qwen4exp.ops.hyper_connection import hc_mix
-    from qwen4exp.ops.moe import route
-    from qwen4exp.ops.triton_moe import fused_moe
-
-    @triton.jit
-    def bulk(base, row_bytes, n_rows, seg_bytes, ROWS: tl.constexpr):
-        # one cp.async.bulk prefetch per row segment; nothing comes back to the SM, so a few programs suffice
-        for start in range(tl.program_id(0) * ROWS, n_rows, tl.num_programs(0) * ROWS):
-            r = start + tl.arange(0, ROWS)
-            addr = base + tl.where(r < n_rows, r, 0).to(tl.int64) * row_bytes
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                      [addr, tl.zeros([ROWS], tl.int32) + seg_bytes], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-    @triton.jit
-    def load(w, sink, row_elems, n_rows, seg_elems, ROWS: tl.constexpr, SEG: tl.constexpr):
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        c = tl.arange(0, SEG)
-        x = tl.load(w + r[:, None].to(tl.int64) * row_elems + c[None, :],
-                    mask=(r < n_rows)[:, None] & (c < seg_elems)[None, :], other=0.0, eviction_policy="evict_last")
-        tl.store(sink + tl.program_id(0), tl.sum(x.to(tl.float32)))
-
-    E, k, hidden, inter, hc, rank, dt = 128, 10, 2560, 640, 4, 320, torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
-
-    gate_up, down = rand(E, 2 * inter, hidden, scale=hidden**-0.5), rand(E, hidden, inter, scale=inter**-0.5)
-    w_in, w_router = rand(16480, hidden, scale=hidden**-0.5), rand(E, hidden, scale=hidden**-0.5)
-    norm_w = rand(hc * hidden, scale=0.1)
-    w_di = torch.zeros(rank + hc + 4, hc * hidden, device=dev, dtype=dt)
-    w_di[: rank + hc] = rand(rank + hc, hc * hidden, scale=(hc * hidden) ** -0.5)
-    w_up = rand(hc * hidden, rank, scale=rank**-0.5)
-    streams, block_out = rand(tokens, hc * hidden), rand(tokens, hidden)
-    inject = torch.rand(tokens, hc, device=dev, generator=g).to(dt)
-    sink = torch.empty(1 << 16, device=dev)
-    side = ops.side_stream(torch.device(dev), "l2_prefetch")
-    row_bytes = hidden * 2  # gate/up and in_proj rows alike
-
-    def mix():
-        return hc_mix(streams, norm_w, w_di, w_up, 1e-6, hc, rank, True, block_out, inject)[1]
-
-    def experts(x):
-        weights, ids = route(torch.nn.functional.linear(x, w_router), k, True)
-        return fused_moe(x, gate_up, down, ids, weights)
-
-    def in_proj(x):
-        return torch.nn.functional.linear(x, w_in)
-
-    def prefetch(weight, cfg):
-        mode, n_rows, seg = cfg
-        if mode == "bulk":
-            bulk[(16,)](weight.data_ptr(), row_bytes, n_rows, seg, ROWS=32, num_warps=1)
-        else:
-            load[(triton.cdiv(n_rows, 8),)](weight, sink, hidden, n_rows, seg // 2, ROWS=8,
-                                            SEG=triton.next_power_of_2(seg // 2), num_warps=4)
-
-    def layer(body, weight, cfg):
-        main = torch.cuda.current_stream()
-        if cfg is not None:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                prefetch(weight, cfg)
-        out = body(mix())
-        if cfg is not None:
-            main.wait_stream(side)
-        return out
-
-    expert_rows = 2 * inter
-    targets = {
-        "experts": (experts, gate_up, [("bulk", 8 * expert_rows, 1024), ("bulk", 16 * expert_rows, 1024),
-                                       ("bulk", 32 * expert_rows, 1024), ("bulk", 16 * expert_rows, 2048),
-                                       ("bulk", 4 * expert_rows, row_bytes), ("bulk", 8 * expert_rows, row_bytes),
-                                       ("load", 16 * expert_rows, 1024)]),
-        "in_proj": (in_proj, w_in, [("bulk", (mb << 20) // row_bytes, row_bytes) for mb in (8, 16, 32)]),
-    }
-    window = per_call_us(mix, calls=layers)
-    print(f"l2_prefetch: the mix alone {window:.2f} us per layer", flush=True)
-    out = {"mix_us": window}
-    for name, (body, weight, configs) in targets.items():
-        reference = layer(body, weight, None)
-        rows = {"none": dict(us=[])}
-        for cfg in configs:
-            try:
-                same = torch.equal(layer(body, weight, cfg), reference)
-                torch.cuda.synchronize()
-                rows[cfg] = dict(us=[], identical=same, mbytes=cfg[1] * cfg[2] / 2**20,
-                                 prefetch_alone_us=per_call_us(lambda: prefetch(weight, cfg), calls=layers))
-            except Exception as e:  # inline asm this Triton or GPU rejects
-                rows[cfg] = dict(error=f"{type(e).__name__}: {e}"[:300])
-                print("l2_prefetch", name, cfg, rows[cfg], flush=True)
-        for _ in range(rounds):  # alternating
-            for cfg, row in rows.items():
-                if "error" not in row:
-                    row["us"].append(per_call_us(lambda: layer(body, weight, None if cfg == "none" else cfg),
-                                                 calls=layers))
-        base = min(rows["none"]["us"])
-        for cfg, row in rows.items():
-            if "error" not in row:
-                print(f"l2_prefetch {name} {cfg}: {min(row['us']):7.2f} us per layer (rounds {row['us']}), saves "
-                      f"{base - min(row['us']):5.2f} us ({48 * (base - min(row['us'])):.0f} us over 48 calls); "
-                      f"{row.get('mbytes', 0):.0f} MB prefetched in {row.get('prefetch_alone_us', 0):.2f} us alone; "
-                      f"identical {row.get('identical', True)}", flush=True)
-        out[name] = {str(c): r for c, r in rows.items()}
-    results["l2_prefetch"] = out
-
-
 def bench_route_big(results, token_counts=(64, 256, 1024, 4096, 16384), dev="cuda"):
     """The router (softmax + top-10 of 128 + renormalisation) at prefill sizes: the one-warp-per-token Triton kernel
     against the compiled reference (softmax, torch.topk, the renormalisation), 48 calls a graph."""
@@ -1125,7 +1002,7 @@ def main():
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,
              "hc_autotune": bench_hc_autotune,
-             "pdl": bench_pdl, "l2_prefetch": bench_l2_prefetch}
+             "pdl": bench_pdl}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:
