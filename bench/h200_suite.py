@@ -319,6 +319,9 @@ def main():
     for stage in stages:
         t0 = time.perf_counter()
         try:
+            if stage in ("hf", "profile") and engine is None:
+                raise RuntimeError(f"the {stage} stage uses the engine of the ours stage: run both in one command "
+                                   f"(--stages ours,{stage})")
             if stage == "agree":
                 stage_agree(results, device)
             elif stage == "ours":
