@@ -22,8 +22,9 @@
             separately against the combine deferred into the mix's Triton norm pass.
   gemm_layouts (not in the default parts): the dense projections at 64 tokens (batch-64 decode) and 8192 (prefill)
             through cuBLAS with the weight as stored ([out, in], F.linear's "TN" GEMM) against a transposed copy
-            ([in, out], torch.mm's "NN"), and the hyper-connection down projection with its rows padded from 328 to
-            384; per decode step, the microseconds a layout would save (calls per step x difference).
+            ([in, out], torch.mm's "NN"), the transposed product W @ x^T ("out_T", a [n, T] result read through its
+            transpose), and the hyper-connection down projection with its rows padded from 328 to 384 (gemm_layouts64:
+            at 64 tokens only); per decode step, the microseconds a layout would save (calls per step x difference).
   moe_tiles (not in the default parts): `fused_moe` (the sorted-pairs path of 65-409 tokens, batch-64 decode) over
             gate/up tiles, then down tiles with the best gate/up tile, at 64 tokens; the best against the defaults
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
@@ -44,6 +45,9 @@
   hc_autotune (not in the default parts): the hyper-connection mix after its norm compiled as the model compiles it
             against inductor's max-autotune (Triton GEMM templates with fused epilogues where they win), static
             shapes, at 64 tokens.
+  read_bw (not in the default parts): the read ceiling: a streaming Triton read over 4 GB (contiguous ranges per
+            program and interleaved blocks, 1-8 waves of programs), torch's sum and the copy, against `fused_moe`
+            at 64 tokens (all 1.26 GB of expert weights read), GB/s.
   pdl (not in the default parts): a chain of 192 small Triton kernels in a CUDA graph, plain against programmatic
             dependent launch (gdc_wait first; and with an independent load before the wait): us per kernel.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
@@ -600,7 +604,9 @@ def bench_gemm_layouts(results, shapes=LAYOUT_SHAPES, token_counts=(64, 8192), d
         copies = len(weights)
         transposed = [w.t().contiguous() for w in weights]
         variants = {"TN": lambda x, i: torch.nn.functional.linear(x, weights[i]),
-                    "NN": lambda x, i: torch.mm(x, transposed[i])}
+                    "NN": lambda x, i: torch.mm(x, transposed[i]),
+                    # the same weights, the transposed product: W @ x^T is [n, T], cuBLAS gets the skinny side as N
+                    "out_T": lambda x, i: torch.mm(weights[i], x.t()).t()}
         if name == "hc_down":
             padded = [torch.cat([w, w.new_zeros(384 - n, k)]) for w in weights]
             variants["TN_rows_384"] = lambda x, i: torch.nn.functional.linear(x, padded[i])
@@ -988,6 +994,69 @@ def bench_route_big(results, token_counts=(64, 256, 1024, 4096, 16384), dev="cud
     results["route_big"] = rows
 
 
+def bench_read_bw(results, nbytes=4 << 30, dev="cuda"):
+    """The read ceiling the weight-bound kernels are measured against: a streaming Triton read (contiguous ranges per
+    program, and interleaved blocks), torch's sum, and the copy (bytes read + written), against `fused_moe` at 64
+    tokens (batch-64 decode, 128 experts of 640, top-10: all 1.26 GB of expert weights read), GB/s."""
+    import triton
+    import triton.language as tl
+
+    from qwen4exp.ops.triton_moe import fused_moe
+
+    @triton.jit
+    def read_ranges(x_ptr, out_ptr, per_prog, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        base = x_ptr + pid.to(tl.int64) * per_prog
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(0, per_prog, BLOCK):
+            acc += tl.load(base + i + tl.arange(0, BLOCK)).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc))
+
+    @triton.jit
+    def read_interleaved(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(pid.to(tl.int64) * BLOCK, n, step):
+            acc += tl.load(x_ptr + start + tl.arange(0, BLOCK)).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc))
+
+    n = nbytes // 2
+    x = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = {}
+
+    def put(name, us, moved):
+        rows[name] = {"us": us, "GB_s": moved / us / 1e3}
+        print(f"read_bw {name:>40}: {us:9.1f} us  {moved / us / 1e3:7.0f} GB/s", flush=True)
+
+    out = torch.empty(sms * 64, device=dev, dtype=torch.float32)
+    for waves in (1, 2, 4, 8):
+        for block, warps in ((4096, 8), (8192, 8), (8192, 16)):
+            progs = sms * waves
+            per = n // progs // block * block
+            put(f"ranges progs={progs} block={block} warps={warps}",
+                per_call_us(lambda: read_ranges[(progs,)](x, out, per, BLOCK=block, num_warps=warps), 4, 10),
+                progs * per * 2)
+            put(f"interleaved progs={progs} block={block} warps={warps}",
+                per_call_us(lambda: read_interleaved[(progs,)](x, out, n, BLOCK=block, num_warps=warps), 4, 10),
+                nbytes)
+    put("torch sum", per_call_us(lambda: x.sum(dtype=torch.float32), 4, 10), nbytes)
+    put("copy (read + written)", per_call_us(lambda: y.copy_(x), 4, 10), 2 * nbytes)
+    del x, y
+    E, k, hidden, inter, dt = 128, 10, 2560, 640, torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate_up = (torch.randn(E, 2 * inter, hidden, device=dev, generator=g) / hidden**0.5).to(dt)
+    down = (torch.randn(E, hidden, inter, device=dev, generator=g) / inter**0.5).to(dt)
+    xs = torch.randn(64, hidden, device=dev, generator=g).to(dt)
+    ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(64)])
+    wts = torch.softmax(torch.randn(64, k, device=dev, generator=g), -1)
+    put("fused_moe T=64 (expert weights)", per_call_us(lambda: fused_moe(xs, gate_up, down, ids, wts), 16),
+        (gate_up.numel() + down.numel()) * 2)
+    results["read_bw"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -1002,7 +1071,8 @@ def main():
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,
              "hc_autotune": bench_hc_autotune,
-             "pdl": bench_pdl}
+             "pdl": bench_pdl, "read_bw": bench_read_bw,
+             "gemm_layouts64": lambda r: bench_gemm_layouts(r, token_counts=(64,))}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

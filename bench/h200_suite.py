@@ -4,6 +4,7 @@
 
 Stages (each writes its results into OUT_DIR/results.json as soon as it finishes):
   agree   GPU (bf16, fast paths + CUDA graphs) vs CPU reference (fp32) on the `small` preset, teacher forcing.
+  agree_trained  the same on `small` trained briefly with transformers (bench/train_small.py), on held-out text.
   ours    flash-next-128e (bf16, load_format=dummy): batch-1 decode, prefill 8k / 32k, throughput vs concurrency.
   hf      transformers' Qwen4ExpForCausalLM holding the very same weight tensors (no copy): batch-1 decode.
   report  docs/benchmarks.md table + PNG plot from results.json.
@@ -83,57 +84,93 @@ def decode_bytes(model, ctx_len: int) -> int:
     return total
 
 
-def stage_agree(results, device):
-    """GPU bf16 (eager prefill + graph decode) vs CPU fp32 reference, top-1 under teacher forcing."""
+def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: int = 256,
+                   reference_weights: dict | None = None) -> dict:
+    """GPU bf16 (eager prefill of the first `prefill` tokens, then one token per step: CUDA-graph decode) against the
+    CPU fp32 reference on the same weights (`reference_weights` where the reference should hold other values: the
+    checkpoint's bf16 rounding), top-1 under teacher forcing at every position of every sequence."""
     from qwen4exp.engine.runner import RequestChunk
 
-    cfg = preset("small")
-    torch.manual_seed(0)
-    cpu = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=300, page_size=16, max_num_seqs=8),
-                    dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
-    gpu = LLMEngine(None, EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, num_pages=200,
-                                       cuda_graph_sizes=[1, 2, 4]),
-                    dtype="bfloat16", device=device, model_config=cfg, tokenizer=None,
-                    weights=((n, t.detach()) for n, t in cpu.model.state_dict().items()))
-    # the bf16 reference on the CPU: how close bf16 arithmetic itself gets to fp32 on this random model
-    cpu16 = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=300, page_size=16, max_num_seqs=8),
-                      dtype="bfloat16", device="cpu", model_config=cfg, tokenizer=None,
-                      weights=((n, t.detach()) for n, t in cpu.model.state_dict().items()))
-    gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(10, cfg.vocab_size, (512,), generator=gen).tolist() for _ in range(3)]
+    def engine(dtype, dev, w, **kw):
+        ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, **kw)
+        return LLMEngine(None, ecfg, dtype=dtype, device=dev, model_config=cfg, tokenizer=None,
+                         weights=iter(w.items()))
+
+    cpu = engine("float32", "cpu", reference_weights or weights, num_pages=300)
+    gpu = engine("bfloat16", device, weights, num_pages=200, cuda_graph_sizes=[1, 2, 4])
+    # the bf16 engine on the CPU: how close bf16 arithmetic itself gets to fp32 on this model
+    cpu16 = engine("bfloat16", "cpu", weights, num_pages=300)
     same = total = same16 = same_gpu16 = 0
     nonfinite = 0
-    gaps, differ = [], []  # the reference's top-2 logit gap at every position, and where the GPU's top-1 differs
+    gaps, differ, top1_probs = [], [], []  # the reference's top-2 logit gap everywhere, where the GPU's top-1 differs
     for seq in seqs:
-        ref = cpu.runner.execute([RequestChunk(seq, 0, [], cpu.cache.pages.allocate(32), cpu.cache.slots.allocate(1)[0],
-                                               0)])
-        ref16 = cpu16.runner.execute([RequestChunk(seq, 0, [], cpu16.cache.pages.allocate(32),
+        pages_needed = -(-len(seq) // 16)
+        ref = cpu.runner.execute([RequestChunk(seq, 0, [], cpu.cache.pages.allocate(pages_needed),
+                                               cpu.cache.slots.allocate(1)[0], 0)]).float()
+        ref16 = cpu16.runner.execute([RequestChunk(seq, 0, [], cpu16.cache.pages.allocate(pages_needed),
                                                    cpu16.cache.slots.allocate(1)[0], 0)]).float()
         same16 += int((ref16.argmax(-1) == ref.argmax(-1)).sum())
-        pages, slot = gpu.cache.pages.allocate(32), gpu.cache.slots.allocate(1)[0]
-        rows = [gpu.runner.execute([RequestChunk(seq[:256], 0, [], pages, slot, 0)])]
-        for p in range(256, len(seq)):  # one token per step: the CUDA-graph decode path
+        pages, slot = gpu.cache.pages.allocate(pages_needed), gpu.cache.slots.allocate(1)[0]
+        rows = [gpu.runner.execute([RequestChunk(seq[:prefill], 0, [], pages, slot, 0)])]
+        for p in range(prefill, len(seq)):  # one token per step: the CUDA-graph decode path
             # a copy: a graph step's logits are a view of its output buffer, which the next replay overwrites
             rows.append(gpu.runner.execute([RequestChunk([seq[p]], p, seq[:p], pages, slot, 0)]).clone())
         out = torch.cat(rows).float().cpu()
         nonfinite += int((~torch.isfinite(out)).sum())
         same += int((out.argmax(-1) == ref.argmax(-1)).sum())
-        top2 = ref.float().topk(2, -1).values
+        top2 = ref.topk(2, -1).values
         gaps.append(top2[:, 0] - top2[:, 1])
         differ.append(out.argmax(-1) != ref.argmax(-1))
+        top1_probs.append(torch.softmax(ref, -1).max(-1).values)
         same_gpu16 += int((out.argmax(-1) == ref16.argmax(-1)).sum())
         total += len(seq)
-    lp = torch.log_softmax(ref, -1).topk(2, -1).values
-    gaps, differ = torch.cat(gaps), torch.cat(differ)
-    results["agree"] = {"preset": "small", "positions": total, "top1_agreement": same / total,
-                        "cpu_bf16_reference_top1_agreement": same16 / total,
-                        "gpu_vs_cpu_bf16_top1_agreement": same_gpu16 / total,
-                        "last_seq_median_top1_prob": float(lp[:, 0].exp().median()),
-                        "ref_top2_gap_median": float(gaps.median()),
-                        "ref_top2_gap_max_where_top1_differs": float(gaps[differ].max()) if differ.any() else 0.0,
-                        "nonfinite_logits": nonfinite, "graph_decode_positions": 3 * 256}
-    log("agree", results["agree"])
+    gaps, differ, top1_probs = torch.cat(gaps), torch.cat(differ), torch.cat(top1_probs)
     del cpu, gpu, cpu16
+    return {"positions": total, "top1_agreement": same / total,
+            "cpu_bf16_reference_top1_agreement": same16 / total,
+            "gpu_vs_cpu_bf16_top1_agreement": same_gpu16 / total,
+            "median_top1_prob": float(top1_probs.median()),
+            "ref_top2_gap_median": float(gaps.median()),
+            "ref_top2_gap_max_where_top1_differs": float(gaps[differ].max()) if differ.any() else 0.0,
+            "nonfinite_logits": nonfinite, "graph_decode_positions": len(seqs) * (len(seqs[0]) - prefill)}
+
+
+def stage_agree(results, device):
+    """Random `small` weights, random tokens: GPU bf16 (eager prefill + graph decode) vs CPU fp32 reference."""
+    cfg = preset("small")
+    torch.manual_seed(0)
+    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=8, page_size=16, max_num_seqs=1),
+                      dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
+    weights = {n: t.detach() for n, t in dummy.model.state_dict().items()}
+    del dummy
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(10, cfg.vocab_size, (512,), generator=gen).tolist() for _ in range(3)]
+    results["agree"] = {"preset": "small"} | top1_agreement(cfg, weights, seqs, device)
+    log("agree", results["agree"])
+
+
+def stage_agree_trained(results, device, steps: int = 3000, seconds: float | None = 150):
+    """`small` trained briefly with transformers on the machine's Python standard library (bench/train_small.py),
+    then GPU bf16 vs CPU fp32 on held-out files, teacher forcing. The reference runs once on the trained fp32
+    weights and once on the bf16 checkpoint they round to (the form a model is released in)."""
+    from train_small import train
+
+    from qwen4exp.config import ModelConfig
+
+    hf, held, eos, record = train(device, steps, seconds=seconds, log=log)
+    cfg = ModelConfig.from_hf(hf.config)
+    weights = {n: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
+               for n, t in hf.state_dict().items()}
+    del hf
+    torch.cuda.empty_cache()
+    seqs = [held[i * 4096: i * 4096 + 512] for i in range(6)]  # 6 spans of held-out files, 4096 tokens apart
+    r = {"preset": "small", "training": record}
+    r["fp32_weights"] = top1_agreement(cfg, weights, seqs, device)
+    log("agree_trained fp32 weights", r["fp32_weights"])
+    rounded = {n: t.to(torch.bfloat16).float() if t.is_floating_point() else t for n, t in weights.items()}
+    r["bf16_checkpoint"] = top1_agreement(cfg, rounded, seqs, device)
+    log("agree_trained bf16 checkpoint", r["bf16_checkpoint"])
+    results["agree_trained"] = r
 
 
 def stage_ours(results, device, quick=False):
@@ -303,6 +340,9 @@ def main():
     ap.add_argument("--stages", default="agree,ours,hf,report")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--train-steps", type=int, default=3000, help="agree_trained: at most this many training steps")
+    ap.add_argument("--train-seconds", type=float, default=150,
+                    help="agree_trained: as many steps as fit this time at the first steps' pace")
     args = ap.parse_args()
     # the engine logs where startup goes (weights, graph capture, warm-up): keep it in the suite's log
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -324,6 +364,8 @@ def main():
                                    f"(--stages ours,{stage})")
             if stage == "agree":
                 stage_agree(results, device)
+            elif stage == "agree_trained":
+                stage_agree_trained(results, device, args.train_steps, args.train_seconds)
             elif stage == "ours":
                 engine = stage_ours(results, device, args.quick)
             elif stage == "profile":

@@ -280,6 +280,75 @@ def phases_part(engine, results: dict, budget: int | None = None) -> None:
     log("phases", budget or default_budget, results[f"phases_c64_budget{budget or default_budget}"])
 
 
+def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
+    """The union of [ts, ts + dur) over events (kernels of every stream), merged, in order."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    merged = []
+    for s, e in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def run_trace_part(engine, out_dir: str, results: dict) -> None:
+    """The 64 x (1024 in, 256 out) run as `bench throughput` runs it (asynchronous scheduling, nothing synchronised),
+    traced with CUDA activity only: how much of the wall time the GPU runs no kernel, in the prefill phase (until the
+    last request's first token) and in the decode phase, and the largest idle gaps with the kernels around them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.model_config.vocab_size
+    run_requests(engine, random_prompts(4, 1024, vocab, seed=98), 4)
+    plain = run_requests(engine, random_prompts(64, 1024, vocab, seed=7), 256)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        traced = run_requests(engine, random_prompts(64, 1024, vocab, seed=7), 256)
+        torch.cuda.synchronize()
+    trace = os.path.join(out_dir, "run_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(trace)
+    ks = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset") and e.get("ph") == "X"]
+    busy = busy_intervals(ks)
+    t_start, t_end = busy[0][0], busy[-1][1]
+    t_split = t_start + traced["max_ttft_ms"] * 1e3  # the first kernel is ~the run's start; ttft is from arrival
+    phases = {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]}  # [busy us, idle us, gaps over 50 us]
+    gaps = []
+    for i, (s, e) in enumerate(busy):
+        ph = phases["prefill" if s < t_split else "decode"]
+        ph[0] += e - s
+        if i:
+            g = s - busy[i - 1][1]
+            ph[1] += g
+            if g > 50:
+                ph[2] += 1
+                gaps.append((g, busy[i - 1][1] - t_start))
+    gaps.sort(reverse=True)
+    starts = [k["ts"] for k in ks]
+
+    def around(t):  # the kernels ending at / starting after the gap at offset t
+        import bisect
+        j = bisect.bisect_left(starts, t + t_start)
+        before = short(ks[j - 1]["name"]) if j else "-"
+        after = short(ks[j]["name"]) if j < len(ks) else "-"
+        return before, after
+
+    r = {"plain_output_tok_s": plain["output_throughput"], "traced_output_tok_s": traced["output_throughput"],
+         "traced_duration_s": traced["duration_s"], "max_ttft_ms": traced["max_ttft_ms"],
+         "kernel_span_s": (t_end - t_start) / 1e6, "kernels": len(ks),
+         "copies": len(copies), "copy_busy_ms": sum(e["dur"] for e in copies) / 1e3}
+    for name, (b, idle, n) in phases.items():
+        r[name] = {"busy_ms": b / 1e3, "idle_ms": idle / 1e3, "gaps_over_50us": n}
+    r["largest_gaps"] = [(round(g, 1), round(t / 1e3, 2), *around(t)) for g, t in gaps[:30]]
+    results["run_trace"] = r
+    log("run_trace", {k: v for k, v in r.items() if k != "largest_gaps"})
+    for g, t, before, after in r["largest_gaps"][:15]:
+        log(f"  gap {g:9.1f} us at {t:9.2f} ms  after {before}  before {after}")
+
+
 def compiles_part(engine, results: dict) -> None:
     """The suite's throughput sweep (1, 8, 32, 64 requests of 1024 in, 256 out) with every compilation logged."""
     from qwen4exp.bench.compile_log import CompileLog
@@ -615,6 +684,10 @@ def main():
             phases_part(engine, results, int(part[len("phases"):]))
         elif part == "prefill_batch":
             prefill_batch_part(engine, args.out, results)
+        elif part.startswith("prefill_batch"):  # e.g. prefill_batch16: one step of 16 x 1k prompts
+            prefill_batch_part(engine, args.out, results, n=int(part[len("prefill_batch"):]))
+        elif part == "run_trace":
+            run_trace_part(engine, args.out, results)
         elif part == "b1":  # the suite's batch-1 measurement
             from qwen4exp.bench.offline import latency
 

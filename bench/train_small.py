@@ -1,0 +1,163 @@
+"""A briefly trained `small` model, for the GPU-vs-CPU agreement check on a model whose predictions carry information.
+
+With random weights the next-token distributions are nearly uniform (median top-1 probability ~0.04 on `small`), so
+bf16 rounding flips the argmax at the many near-ties and the agreement figure measures the ties, not the engine
+(docs/benchmarks.md, "The 99% agreement target on a random model"). Here transformers' Qwen4ExpForCausalLM (the
+numerics reference) is trained for a fixed number of steps on the Python standard library's source files of the
+machine it runs on, tokenized with the repository's byte-level BPE; agreement is then measured on files held out of
+training.
+
+    python bench/train_small.py --steps 20 --device cpu      # a smoke run: loss must fall
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sysconfig
+import tempfile
+import time
+
+import torch
+
+
+def stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for d, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(s for s in subdirs if s not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [os.path.join(d, n) for n in sorted(names) if n.endswith(".py")]
+    return files
+
+
+def load_tokenizer():
+    """The repository's byte-level BPE (the one make-random writes), and the id of its end-of-sequence token."""
+    from tokenizers import Tokenizer
+
+    from qwen4exp.weights.tokenizer import build_tokenizer
+
+    d = tempfile.mkdtemp()
+    ids = build_tokenizer(d)
+    return Tokenizer.from_file(os.path.join(d, "tokenizer.json")), ids["<|im_end|>"]
+
+
+def token_streams(tok, eos: int, max_chars: int = 12_000_000, eval_every: int = 10) -> tuple[list[int], list[int]]:
+    """(train, held-out) token streams: every eval_every-th file (in sorted order) is held out; files are separated
+    by EOS, as documents in a training mix are."""
+    texts = {True: [], False: []}
+    chars = 0
+    for i, path in enumerate(stdlib_files()):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts[i % eval_every == 0].append(text)
+        chars += len(text)
+        if chars >= max_chars:
+            break
+    train, held = ([t for e in tok.encode_batch(texts[h]) for t in e.ids + [eos]] for h in (False, True))
+    return train, held
+
+
+def hf_small_config(eos: int, dtype: str = "float32"):
+    from transformers import Qwen4ExpTextConfig
+
+    from qwen4exp.weights.random_checkpoint import preset_config
+
+    d = preset_config("small", eos_token_id=eos, dtype=dtype)
+    return Qwen4ExpTextConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+
+
+def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512, lr: float = 2e-3, seed: int = 0,
+          seconds: float | None = None, log=print):
+    """Returns (the trained transformers model in eval mode, fp32; the held-out token stream; the EOS id; a record
+    of the run). bf16 autocast on CUDA, fp32 on the CPU; AdamW with a linear warm-up and cosine decay over `steps`,
+    or, with `seconds`, over as many steps (at most `steps`) as the first steps' pace fits into that time."""
+    from transformers import Qwen4ExpForCausalLM
+
+    tok, eos = load_tokenizer()
+    t0 = time.perf_counter()
+    stream, held = token_streams(tok, eos)
+    log(f"corpus: {len(stream)} train / {len(held)} held-out tokens in {time.perf_counter() - t0:.1f}s")
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(hf_small_config(eos)).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    plan = {"steps": steps}  # the schedule's length; with `seconds`, set after the first steps
+
+    def lr_factor(s):
+        n = plan["steps"]
+        return min(1.0, (s + 1) / max(1, n // 20)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / n))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    data = torch.tensor(stream)
+    rng = random.Random(seed)
+    losses = []
+    experts = getattr(model.config, "_experts_implementation", None)
+    autocast = device.type == "cuda"
+    # if the first step fails: the per-expert loop instead of the grouped GEMM (which may lack a backward or an
+    # autocast rule in this torch), then fp32 without autocast
+    fallbacks = [("experts", "eager"), ("autocast", False)]
+    t0 = time.perf_counter()
+    step = 0
+    while step < plan["steps"]:
+        starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(batch)]
+        ids = torch.stack([data[s: s + seq_len] for s in starts]).to(device)
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            if step or not fallbacks:
+                raise
+            what, value = fallbacks.pop(0)
+            log(f"train: the first step failed ({type(e).__name__}: {str(e)[:300]}); {what} -> {value!r}")
+            if what == "experts":
+                model.set_experts_implementation(value)
+                experts = value
+            else:
+                autocast = value
+            opt.zero_grad(set_to_none=True)
+            continue
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if seconds is not None and step == 3:  # steps 0-1 compile and autotune: pace from steps 2-3
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            pace = (time.perf_counter() - t_pace) / 2
+            plan["steps"] = max(4, min(steps, int(seconds / pace)))
+            log(f"train: {pace * 1e3:.0f} ms a step, {plan['steps']} steps")
+        if step == 1:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_pace = time.perf_counter()
+        if step % max(1, plan["steps"] // 10) == 0 or step == plan["steps"] - 1:
+            log(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
+        step += 1
+    record = {"steps": plan["steps"], "batch": batch, "seq_len": seq_len, "lr": lr, "experts": experts,
+              "bf16_autocast": autocast,
+              "train_tokens": len(stream),
+              "held_out_tokens": len(held), "first_loss": losses[0], "last_loss_mean10": sum(losses[-10:]) / len(
+                  losses[-10:]), "train_s": time.perf_counter() - t0}
+    return model.eval(), held, eos, record
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seconds", type=float, default=None)
+    args = ap.parse_args()
+    _, _, _, record = train(torch.device(args.device), args.steps, args.batch, args.seq_len, seconds=args.seconds)
+    print(record)
+
+
+if __name__ == "__main__":
+    main()
