@@ -13,9 +13,12 @@ training.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import math
 import os
 import random
+import sys
 import sysconfig
 import tempfile
 import time
@@ -71,19 +74,38 @@ def hf_small_config(eos: int, dtype: str = "float32"):
     return Qwen4ExpTextConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
 
 
+@contextlib.contextmanager
+def _transformers_without_fla():
+    """transformers picks fla's chunk kernel at import when fla imports; fla-core 0.6.0's backward refuses Triton
+    3.4-3.7.0 on Hopper (wrong results, its issue #640), so for training the torch path must be taken. fla is hidden
+    while transformers' module is (re)imported and the model built, and visible again afterwards (the engine's GPU
+    prefill uses fla's forward, which is correct)."""
+    name = "transformers.models.qwen4_exp.modeling_qwen4_exp"
+    saved = {k: sys.modules[k] for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["fla"] = None  # `import fla` raises ImportError; find_spec returns None
+    try:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+        yield importlib.import_module(name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+
+
 def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512, lr: float = 2e-3, seed: int = 0,
           seconds: float | None = None, log=print):
     """Returns (the trained transformers model in eval mode, fp32; the held-out token stream; the EOS id; a record
     of the run). bf16 autocast on CUDA, fp32 on the CPU; AdamW with a linear warm-up and cosine decay over `steps`,
     or, with `seconds`, over as many steps (at most `steps`) as the first steps' pace fits into that time."""
-    from transformers import Qwen4ExpForCausalLM
-
     tok, eos = load_tokenizer()
     t0 = time.perf_counter()
     stream, held = token_streams(tok, eos)
     log(f"corpus: {len(stream)} train / {len(held)} held-out tokens in {time.perf_counter() - t0:.1f}s")
     torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(hf_small_config(eos)).to(device).train()
+    with _transformers_without_fla() as modeling:
+        model = modeling.Qwen4ExpForCausalLM(hf_small_config(eos)).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     plan = {"steps": steps}  # the schedule's length; with `seconds`, set after the first steps
 

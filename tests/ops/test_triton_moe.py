@@ -319,3 +319,42 @@ def test_sort_pairs_is_the_stable_expert_order(tokens, top_k, experts, skew):
         want = sort_pairs_ref(ids.to(dtype), experts)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and torch.equal(a.cpu(), b), (a, b)
+
+
+@pytest.mark.parametrize("n,config", [(5, _SMALL), (40, _RAGGED), (64, None)])
+def test_one_launch_equals_two_launches_and_leaves_its_counts_zeroed(n, config):
+    """`_experts_kernel` (both projections in one launch, down tiles waiting on their block's gate/up tiles) computes
+    the very tiles of the two-launch form, so the outputs are bitwise equal; it leaves its counts zeroed, so a second
+    launch (a graph replay) is equal again."""
+    from qwen4exp.ops import triton_moe
+
+    x, gate_up, down, ids, weights = _problem(n, 64, 32, 16, 4, torch.bfloat16, seed=n)
+    two = fused_moe(x, gate_up, down, ids, weights, config=config, one_launch=False)
+    one = fused_moe(x, gate_up, down, ids, weights, config=config, one_launch=True)
+    assert torch.equal(one, two)
+    assert torch.equal(fused_moe(x, gate_up, down, ids, weights, config=config, one_launch=True), two)
+    assert all(not t.any() for t in triton_moe._tickets.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="concurrent programs need a GPU")
+def test_one_launch_in_a_cuda_graph_at_decode_widths():
+    """At batch-64 decode widths (most programs of the launch run at once, down tiles really wait) and replayed from
+    a CUDA graph with new inputs: equal to the two-launch form every time."""
+    from qwen4exp.ops.triton_moe import fused_moe as fused
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, k, h, i = 128, 10, 1024, 256
+    gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).to(torch.bfloat16)
+    x = torch.randn(64, h, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(64)])
+    wts = torch.softmax(torch.randn(64, k, device="cuda", generator=g), -1)
+    fused(x, gate_up, down, ids, wts, one_launch=True)  # compiles and allocates outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(x, gate_up, down, ids, wts, one_launch=True)
+    for _ in range(3):
+        x.copy_(torch.randn(64, h, device="cuda", generator=g))
+        ids.copy_(torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(64)]))
+        graph.replay()
+        assert torch.equal(out, fused(x, gate_up, down, ids, wts, one_launch=False))
