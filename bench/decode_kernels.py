@@ -48,8 +48,6 @@
   read_bw (not in the default parts): the read ceiling: a streaming Triton read over 4 GB (contiguous ranges per
             program and interleaved blocks, 1-8 waves of programs), torch's sum and the copy, against `fused_moe`
             at 64 tokens (all 1.26 GB of expert weights read), GB/s.
-  moe_one_launch (not in the default parts): `fused_moe` at 16-256 tokens with both projections in one launch against
-            two launches, alternating, with the outputs compared.
   pdl (not in the default parts): a chain of 192 small Triton kernels in a CUDA graph, plain against programmatic
             dependent launch (gdc_wait first; and with an independent load before the wait): us per kernel.
   gdn_warps (not in the default parts): the fused GDN decode kernel at batch 64 over value-tile widths and warps
@@ -1059,35 +1057,6 @@ def bench_read_bw(results, nbytes=4 << 30, dev="cuda"):
     results["read_bw"] = rows
 
 
-def bench_moe_one_launch(results, token_counts=(16, 32, 48, 64, 128, 256), rounds=3, dev="cuda"):
-    """`fused_moe` at flash-next widths (128 experts of 640, top-10), both projections in one launch
-    (`_experts_kernel`) against two launches, alternating; us per layer call (16 calls a graph, one 1.26 GB weight
-    set, so no call finds its weights in L2) and the outputs compared."""
-    from qwen4exp.ops.triton_moe import fused_moe
-
-    E, k, hidden, inter, dt = 128, 10, 2560, 640, torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    gate_up = (torch.randn(E, 2 * inter, hidden, device=dev, generator=g) / hidden**0.5).to(dt)
-    down = (torch.randn(E, hidden, inter, device=dev, generator=g) / inter**0.5).to(dt)
-    nbytes = (gate_up.numel() + down.numel()) * 2
-    rows = []
-    for n in token_counts:
-        x = torch.randn(n, hidden, device=dev, generator=g).to(dt)
-        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)])
-        wts = torch.softmax(torch.randn(n, k, device=dev, generator=g), -1)
-        same = torch.equal(fused_moe(x, gate_up, down, ids, wts, one_launch=True),
-                           fused_moe(x, gate_up, down, ids, wts, one_launch=False))
-        times = {True: [], False: []}
-        for _ in range(rounds):
-            for one in (False, True):
-                times[one].append(per_call_us(lambda: fused_moe(x, gate_up, down, ids, wts, one_launch=one), 16))
-        two_us, one_us = min(times[False]), min(times[True])
-        rows.append(dict(tokens=n, two_launch_us=times[False], one_launch_us=times[True], identical=same))
-        print(f"moe_one_launch T={n}: two launches {two_us:7.1f} us ({nbytes / two_us / 1e3:5.0f} GB/s), one launch "
-              f"{one_us:7.1f} us ({nbytes / one_us / 1e3:5.0f} GB/s); 48 layers save {48 * (two_us - one_us):6.0f} us "
-              f"a step; identical {same}", flush=True)
-    results["moe_one_launch"] = rows
-
 
 def main():
     ap = argparse.ArgumentParser()
@@ -1103,7 +1072,7 @@ def main():
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,
              "hc_autotune": bench_hc_autotune,
-             "pdl": bench_pdl, "read_bw": bench_read_bw, "moe_one_launch": bench_moe_one_launch,
+             "pdl": bench_pdl, "read_bw": bench_read_bw,
              "gemm_layouts64": lambda r: bench_gemm_layouts(r, token_counts=(64,))}
     for part in a.parts.split(","):
         parts[part](results)

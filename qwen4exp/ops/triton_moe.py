@@ -302,9 +302,10 @@ def fused_variant(num_tokens: int, num_experts: int, top_k: int) -> tuple:
 
 
 @triton.jit
-def _tile_ids(pid, num_pid_m, n_out, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile_ids(num_pid_m, n_out, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped order: GROUP_M consecutive M blocks (mostly one expert in prefill) sweep the N tiles together, so an
     # expert's weight tiles are still in L2 when the next block of the same expert needs them.
+    pid = tl.program_id(0)
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
     group_id = pid // num_pid_in_group
@@ -325,14 +326,23 @@ def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
 
 
-@triton.jit
-def _gate_up_tile(
-    pid_m, pid_n, x_ptr, w_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, top_k, H, I,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
+def _gate_up_kernel(
+    x_ptr, w_ptr, act_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    num_pid_m, num_pairs, top_k, H, I,
+    stride_xm, stride_xk,
+    stride_we, stride_wn, stride_wk,
+    stride_am, stride_an,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
 ):
-    """act[block pid_m, tile pid_n] = silu(gate x) * up x for the block's rows (one expert)."""
+    pdl_start(PDL)
+    pid_m, pid_n = _tile_ids(num_pid_m, I, BLOCK_N, GROUP_M)
+    # The grid is sized for the worst case; blocks past the real padded count have nothing to do.
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     valid = pair < num_pairs
@@ -366,20 +376,27 @@ def _gate_up_tile(
         u_ptrs += BLOCK_K * stride_wk
 
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    # Padding rows are written too (as zeros): the down tiles read whole blocks and only mask their own store.
+    # Padding rows are written too (as zeros): kernel 2 reads whole blocks and only masks its own store.
     act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
     tl.store(act_ptrs, h.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
-@triton.jit
-def _down_tile(
-    pid_m, pid_n, act_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, H, I,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, ACT_CACHE: tl.constexpr,
+@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
+def _down_kernel(
+    act_ptr, w_ptr, out_ptr, topk_w_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    num_pid_m, num_pairs, H, I,
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
 ):
-    """out[pair] = w_pair * down act[pair] for the rows of block pid_m, columns of tile pid_n (rows scattered to their
-    pair index). ACT_CACHE: the act loads' cache modifier (".cg" where other programs of the launch wrote it)."""
+    pdl_start(PDL)
+    pid_m, pid_n = _tile_ids(num_pid_m, H, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     valid = pair < num_pairs
@@ -395,11 +412,11 @@ def _down_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(I, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs, cache_modifier=ACT_CACHE)
+            a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
         else:
             k_mask = offs_k < I - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0, cache_modifier=ACT_CACHE)
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = _mma(a, b, acc, DOT_PRECISION, DOT_UPCAST)
         a_ptrs += BLOCK_K * stride_ak
@@ -409,97 +426,6 @@ def _down_tile(
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
-
-
-@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
-def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr,
-    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-    num_pid_m, num_pairs, top_k, H, I,
-    stride_xm, stride_xk,
-    stride_we, stride_wn, stride_wk,
-    stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
-):
-    pdl_start(PDL)
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, I, BLOCK_N, GROUP_M)
-    # The grid is sized for the worst case; blocks past the real padded count have nothing to do.
-    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return
-    _gate_up_tile(pid_m, pid_n, x_ptr, w_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, top_k, H, I,
-                  stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am, stride_an,
-                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, DOT_UPCAST)
-
-
-@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
-def _down_kernel(
-    act_ptr, w_ptr, out_ptr, topk_w_ptr,
-    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-    num_pid_m, num_pairs, H, I,
-    stride_am, stride_ak,
-    stride_we, stride_wn, stride_wk,
-    stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
-):
-    pdl_start(PDL)
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, H, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return
-    _down_tile(pid_m, pid_n, act_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, H, I,
-               stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, DOT_UPCAST, "")
-
-
-@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
-def _experts_kernel(
-    x_ptr, w1_ptr, act_ptr, w2_ptr, out_ptr, topk_w_ptr,
-    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, counter_ptr, done_ptr,
-    num_pid_m, num_pairs, top_k, H, I,
-    stride_xm, stride_xk, stride_w1e, stride_w1n, stride_w1k, stride_am, stride_an,
-    stride_w2e, stride_w2n, stride_w2k, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr, DN_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
-):
-    """Both projections in one launch: the gate/up tiles, then the down tiles, which start as soon as their block's
-    gate/up tiles are done (a per-block count), so the gate/up tail and the boundary between two launches overlap
-    with down tiles of earlier blocks. Work goes by ticket (an atomic count taken at the start), not by program id:
-    a down tile waits only on tiles whose tickets were taken earlier, by programs already running, so the waiting
-    cannot deadlock whatever order the hardware starts programs in. The last program to finish zeroes the counts
-    for the next launch (CUDA graphs replay it with the same buffers)."""
-    pdl_start(PDL)
-    n_gu = num_pid_m * tl.cdiv(I, GU_N)
-    total = n_gu + num_pid_m * tl.cdiv(H, DN_N)
-    ticket = tl.atomic_add(counter_ptr, 1)
-    num_post_padded = tl.load(num_post_padded_ptr)
-    if ticket < n_gu:
-        pid_m, pid_n = _tile_ids(ticket, num_pid_m, I, GU_N, GROUP_M)
-        if pid_m * BLOCK_M < num_post_padded:
-            _gate_up_tile(pid_m, pid_n, x_ptr, w1_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, top_k,
-                          H, I, stride_xm, stride_xk, stride_w1e, stride_w1n, stride_w1k, stride_am, stride_an,
-                          BLOCK_M, GU_N, GU_K, EVEN_H, DOT_PRECISION, DOT_UPCAST)
-            # every thread's stores are issued before the count is released
-            tl.debug_barrier()
-            tl.atomic_add(done_ptr + pid_m, 1, sem="release")
-    else:
-        pid_m, pid_n = _tile_ids(ticket - n_gu, num_pid_m, H, DN_N, GROUP_M)
-        if pid_m * BLOCK_M < num_post_padded:
-            need = tl.cdiv(I, GU_N)
-            ready = tl.atomic_add(done_ptr + pid_m, 0, sem="acquire")
-            while ready < need:
-                ready = tl.atomic_add(done_ptr + pid_m, 0, sem="acquire")
-            _down_tile(pid_m, pid_n, act_ptr, w2_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
-                       num_pairs, H, I, stride_am, stride_an, stride_w2e, stride_w2n, stride_w2k, stride_om,
-                       stride_on, BLOCK_M, DN_N, DN_K, EVEN_I, DOT_PRECISION, DOT_UPCAST, ".cg")
-    tl.debug_barrier()
-    if tl.atomic_add(counter_ptr + 1, 1) == total - 1:  # the last program: every count has been read
-        tl.atomic_xchg(counter_ptr, 0)
-        tl.atomic_xchg(counter_ptr + 1, 0)
-        for start in range(0, num_pid_m, 1024):
-            r = start + tl.arange(0, 1024)
-            tl.store(done_ptr + r, tl.zeros([1024], dtype=tl.int32), mask=r < num_pid_m)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -632,12 +558,10 @@ def fused_moe(
     config: MoEConfig | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared_stream: torch.cuda.Stream | None = None,
-    one_launch: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as `qwen4exp.ops.moe.moe_experts` (see the module docstring); graph-capturable. With
     `shared` = (shared expert output [N, H], its gate logit [N, 1]), adds sigmoid(logit) * output; when
-    `shared_stream` is given the output is being written there, and the sum waits for it. one_launch: both
-    projections in `_experts_kernel` (True) or in two launches (False); None: ONE_LAUNCH."""
+    `shared_stream` is given the output is being written there, and the sum waits for it."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -663,68 +587,36 @@ def fused_moe(
         weights = weights.contiguous()
 
     act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    gu, dn = config.gate_up, config.down
-    if ONE_LAUNCH if one_launch is None else one_launch:
-        counts = _ticket_counters(x.device, 2 + num_pid_m)
-        grid = (num_pid_m * (triton.cdiv(inter, gu.block_n) + triton.cdiv(hidden, dn.block_n)),)
-        _experts_kernel[grid](
-            x, gate_up, act, down, out_pairs, weights,
-            sorted_ids, expert_ids, num_post_padded, counts, counts[2:],
-            num_pid_m, num_pairs, top_k, hidden, inter,
-            x.stride(0), x.stride(1), *gate_up.stride(), act.stride(0), act.stride(1),
-            *down.stride(), out_pairs.stride(0), out_pairs.stride(1),
-            BLOCK_M=block_m, GU_N=gu.block_n, GU_K=gu.block_k, DN_N=dn.block_n, DN_K=dn.block_k,
-            GROUP_M=gu.group_m, EVEN_H=hidden % gu.block_k == 0, EVEN_I=inter % dn.block_k == 0,
-            DOT_PRECISION=precision, DOT_UPCAST=upcast,
-            num_warps=max(gu.num_warps, dn.num_warps), num_stages=max(gu.num_stages, dn.num_stages),
-            **launch_options(x)
-        )
-        _join(shared_stream)
-        return sum_pairs(out_pairs, top_k, shared=shared)
-
-    _gate_up_kernel[(num_pid_m * triton.cdiv(inter, gu.block_n),)](
+    t = config.gate_up
+    grid = (num_pid_m * triton.cdiv(inter, t.block_n),)
+    _gate_up_kernel[grid](
         x, gate_up, act,
         sorted_ids, expert_ids, num_post_padded,
         num_pid_m, num_pairs, top_k, hidden, inter,
         x.stride(0), x.stride(1),
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), act.stride(1),
-        BLOCK_M=block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, GROUP_M=gu.group_m,
-        EVEN_K=hidden % gu.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-        num_warps=gu.num_warps, num_stages=gu.num_stages, **launch_options(x)
+        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        EVEN_K=hidden % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(x)
     )
-    _down_kernel[(num_pid_m * triton.cdiv(hidden, dn.block_n),)](
+
+    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    t = config.down
+    grid = (num_pid_m * triton.cdiv(hidden, t.block_n),)
+    _down_kernel[grid](
         act, down, out_pairs, weights,
         sorted_ids, expert_ids, num_post_padded,
         num_pid_m, num_pairs, hidden, inter,
         act.stride(0), act.stride(1),
         down.stride(0), down.stride(1), down.stride(2),
         out_pairs.stride(0), out_pairs.stride(1),
-        BLOCK_M=block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, GROUP_M=dn.group_m,
-        EVEN_K=inter % dn.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-        num_warps=dn.num_warps, num_stages=dn.num_stages, **launch_options(act)
+        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(act)
     )
     _join(shared_stream)
     return sum_pairs(out_pairs, top_k, shared=shared)
-
-
-# Both projections in one launch (`_experts_kernel`); QWEN4EXP_MOE_ONE_LAUNCH=0 gives the two-launch form.
-ONE_LAUNCH = os.environ.get("QWEN4EXP_MOE_ONE_LAUNCH", "1") != "0"
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counts for `_experts_kernel`, which leaves them zeroed (so a CUDA graph can replay it). Sized once
-    for every decode-sized step; a larger step (fp32 prefill) grows it, which must not happen inside a capture (the
-    graph runner's eager runs before each capture make the allocation there)."""
-    buf = _tickets.get(device)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_moe: the ticket counts would be allocated inside a CUDA graph capture; run the "
-                               "step eagerly once first")
-        buf = _tickets[device] = torch.zeros(max(n, 4098), dtype=torch.int32, device=device)
-    return buf
 
 
 def _join(stream: torch.cuda.Stream | None) -> None:
