@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import math
 import os
@@ -94,6 +95,53 @@ def _transformers_without_fla():
         sys.modules.update(saved)
 
 
+def _batched_qsa_selection(indexer, hidden_states, position_embeddings, *_, **__):
+    """transformers' QSA indexer selection (`Qwen4ExpTextQSAIndexer.forward`: per query, the top blocks of
+    compress_ratio tokens by relu(q . block key) summed over index heads, plus the tail of the incomplete block) for
+    a causal batch without padding or cache, computed for all queries at once: the reference loops over batch x
+    query positions in Python (~20 launches each, ~30 s a training step of 32 x 512 tokens on an H200). Ties between
+    block scores (relu zeros) may select other blocks than the loop's topk; training does not care."""
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling
+
+    B, T, _ = hidden_states.shape
+    C, D = indexer.compress_ratio, indexer.index_head_dim
+    full_cos, full_sin = position_embeddings
+    qk = indexer.index_qk_proj(hidden_states)
+    q, raw_keys = torch.split(qk, [indexer.index_n_heads * D, indexer.index_kv_heads * D], dim=-1)
+    q = indexer.q_layernorm(q.reshape(B, T, -1, D))
+    q = modeling.apply_rotary_pos_emb(q, cos=full_cos[:, -T:], sin=full_sin[:, -T:], unsqueeze_dim=2)
+    nb = T // C
+    blocks = raw_keys[:, :nb * C].reshape(B, nb, C, D).float().mean(2).to(raw_keys.dtype)
+    starts = torch.arange(nb, device=q.device) * C
+    block_keys = modeling.apply_rotary_pos_emb(
+        indexer.k_layernorm(blocks).unsqueeze(2), cos=full_cos[:, starts], sin=full_sin[:, starts],
+        unsqueeze_dim=2).squeeze(2)
+    scores = torch.relu(torch.einsum("bthd,bnd->btnh", q.float(), block_keys.float())).sum(-1) / math.sqrt(D)
+    pos = torch.arange(T, device=q.device)
+    complete = (pos + 1) // C  # complete blocks visible to each query
+    valid = torch.arange(nb, device=q.device)[None, :] < complete[:, None]  # [T, nb]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    top = scores.topk(min(indexer.block_topk, nb), dim=-1).indices  # [B, T, k]
+    chosen = torch.zeros(B, T, nb, dtype=torch.bool, device=q.device).scatter_(-1, top, True) & valid
+    token_block = (pos // C).clamp_max(max(nb - 1, 0))
+    in_blocks = chosen[:, :, token_block] & (pos[None, :] < complete[:, None] * C)[None]  # [B, T(query), T(key)]
+    tail = (pos[None, :] >= complete[:, None] * C) & (pos[None, :] <= pos[:, None])
+    return (in_blocks | tail[None]).unsqueeze(1)
+
+
+@contextlib.contextmanager
+def batched_qsa_selection(model):
+    """Every QSA indexer of the model selects through `_batched_qsa_selection` while the context is open."""
+    indexers = [m for m in model.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer"]
+    for m in indexers:
+        m.forward = functools.partial(_batched_qsa_selection, m)
+    try:
+        yield len(indexers)
+    finally:
+        for m in indexers:
+            del m.forward
+
+
 def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512, lr: float = 2e-3, seed: int = 0,
           seconds: float | None = None, log=print):
     """Returns (the trained transformers model in eval mode, fp32; the held-out token stream; the EOS id; a record
@@ -124,6 +172,8 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
     fallbacks = [("experts", "eager"), ("autocast", False)]
     t0 = time.perf_counter()
     step = 0
+    stack = contextlib.ExitStack()
+    log(f"train: {stack.enter_context(batched_qsa_selection(model))} QSA indexers select for all queries at once")
     while step < plan["steps"]:
         starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(batch)]
         ids = torch.stack([data[s: s + seq_len] for s in starts]).to(device)
@@ -161,6 +211,7 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
         if step % max(1, plan["steps"] // 10) == 0 or step == plan["steps"] - 1:
             log(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
         step += 1
+    stack.close()
     record = {"steps": plan["steps"], "batch": batch, "seq_len": seq_len, "lr": lr, "experts": experts,
               "bf16_autocast": autocast,
               "train_tokens": len(stream),
