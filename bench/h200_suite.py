@@ -92,7 +92,9 @@ def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: i
     from qwen4exp.engine.runner import RequestChunk
 
     def engine(dtype, dev, w, **kw):
-        ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, **kw)
+        # a small step budget: the GPU engine's warm-up compiles prefill shapes up to it, and the longest step here
+        # is one whole sequence on the CPU
+        ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, max_num_batched_tokens=1024, **kw)
         return LLMEngine(None, ecfg, dtype=dtype, device=dev, model_config=cfg, tokenizer=None,
                          weights=iter(w.items()))
 

@@ -42,7 +42,15 @@ def write_report(results: dict, out_dir: str) -> str:
               f"{_f(100 * agree['cpu_bf16_reference_top1_agreement'] if agree else None, '{:.2f}')}% | (bf16 floor) |",
               f"| ... GPU bf16 vs CPU bf16 reference | "
               f"{_f(100 * agree['gpu_vs_cpu_bf16_top1_agreement'] if agree else None, '{:.2f}')}% | |",
-              f"| non-finite logits (agreement run) | {agree.get('nonfinite_logits', 'n/a')} | 0 |", ""]
+              f"| non-finite logits (agreement run) | {agree.get('nonfinite_logits', 'n/a')} | 0 |"]
+    trained = results.get("agree_trained", {})
+    for key, what in (("fp32_weights", "trained fp32 weights"), ("bf16_checkpoint", "their bf16 checkpoint")):
+        r = trained.get(key)
+        if r:
+            lines.append(f"| ... `small` trained briefly (bench/train_small.py), {what}: GPU bf16 vs CPU fp32 "
+                         f"(median top-1 probability {_f(r['median_top1_prob'], '{:.2f}')}) | "
+                         f"{_f(100 * r['top1_agreement'], '{:.2f}')}% | >= 99% |")
+    lines.append("")
     check = results.get("hf_check", {})
     if check:
         lines += ["## Same weights, same prompt: transformers vs qwen4exp (bf16, GPU)", "",

@@ -129,6 +129,32 @@ def _batched_qsa_selection(indexer, hidden_states, position_embeddings, *_, **__
     return (in_blocks | tail[None]).unsqueeze(1)
 
 
+def check_batched_selection(model, ids: torch.Tensor, log=print) -> float:
+    """The fraction of query rows where `_batched_qsa_selection` selects other keys than the model's own indexer (its
+    per-query loop) on `ids` [1, T]; raises above 5% (score ties explain a few rows, a different rule most)."""
+    indexer = next(m for m in model.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer")
+    seen = {}
+    original = indexer.forward
+
+    def spy(*args, **kwargs):
+        seen["args"], seen["mask"] = (args, kwargs), original(*args, **kwargs)
+        return seen["mask"]
+
+    indexer.forward = spy
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+            args, kwargs = seen["args"]
+            ours = _batched_qsa_selection(indexer, *args, **kwargs)
+    finally:
+        del indexer.forward
+    differ = float((ours != seen["mask"]).any(-1).float().mean())
+    log(f"train: the batched QSA selection differs from transformers' at {differ:.1%} of query rows")
+    if differ > 0.05:
+        raise RuntimeError(f"the batched QSA selection differs from transformers' indexer at {differ:.1%} of rows")
+    return differ
+
+
 @contextlib.contextmanager
 def batched_qsa_selection(model):
     """Every QSA indexer of the model selects through `_batched_qsa_selection` while the context is open."""
@@ -172,6 +198,7 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
     fallbacks = [("experts", "eager"), ("autocast", False)]
     t0 = time.perf_counter()
     step = 0
+    selection_differs = check_batched_selection(model, data[None, :seq_len].to(device), log)
     stack = contextlib.ExitStack()
     log(f"train: {stack.enter_context(batched_qsa_selection(model))} QSA indexers select for all queries at once")
     while step < plan["steps"]:
@@ -213,6 +240,7 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
         step += 1
     stack.close()
     record = {"steps": plan["steps"], "batch": batch, "seq_len": seq_len, "lr": lr, "experts": experts,
+              "batched_selection_rows_differing": selection_differs,
               "bf16_autocast": autocast,
               "train_tokens": len(stream),
               "held_out_tokens": len(held), "first_loss": losses[0], "last_loss_mean10": sum(losses[-10:]) / len(
