@@ -141,7 +141,7 @@ def stage_agree(results, device):
     """Random `small` weights, random tokens: GPU bf16 (eager prefill + graph decode) vs CPU fp32 reference."""
     cfg = preset("small")
     torch.manual_seed(0)
-    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=8, page_size=16, max_num_seqs=1),
+    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=80, page_size=16, max_num_seqs=1),
                       dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
     weights = {n: t.detach() for n, t in dummy.model.state_dict().items()}
     del dummy
