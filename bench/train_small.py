@@ -199,52 +199,49 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
     t0 = time.perf_counter()
     step = 0
     selection_differs = check_batched_selection(model, data[None, :seq_len].to(device), log)
-    stack = contextlib.ExitStack()
-    log(f"train: {stack.enter_context(batched_qsa_selection(model))} QSA indexers select for all queries at once")
-    while step < plan["steps"]:
-        starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(batch)]
-        ids = torch.stack([data[s: s + seq_len] for s in starts]).to(device)
-        try:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        except (RuntimeError, NotImplementedError, TypeError) as e:
-            if step or not fallbacks:
-                raise
-            what, value = fallbacks.pop(0)
-            log(f"train: the first step failed ({type(e).__name__}: {str(e)[:300]}); {what} -> {value!r}")
-            if what == "experts":
-                model.set_experts_implementation(value)
-                experts = value
-            else:
-                autocast = value
+    with batched_qsa_selection(model) as n:
+        log(f"train: {n} QSA indexers select for all queries at once")
+        while step < plan["steps"]:
+            starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(batch)]
+            ids = torch.stack([data[s: s + seq_len] for s in starts]).to(device)
+            try:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                if step or not fallbacks:
+                    raise
+                what, value = fallbacks.pop(0)
+                log(f"train: the first step failed ({type(e).__name__}: {str(e)[:300]}); {what} -> {value!r}")
+                if what == "experts":
+                    model.set_experts_implementation(value)
+                    experts = value
+                else:
+                    autocast = value
+                opt.zero_grad(set_to_none=True)
+                continue
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
-            continue
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if seconds is not None and step == 3:  # steps 0-1 compile and autotune: pace from steps 2-3
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            pace = (time.perf_counter() - t_pace) / 2
-            plan["steps"] = max(4, min(steps, int(seconds / pace)))
-            log(f"train: {pace * 1e3:.0f} ms a step, {plan['steps']} steps")
-        if step == 1:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t_pace = time.perf_counter()
-        if step % max(1, plan["steps"] // 10) == 0 or step == plan["steps"] - 1:
-            log(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
-        step += 1
-    stack.close()
+            losses.append(float(loss.detach()))
+            if seconds is not None and step == 3:  # steps 0-1 compile and autotune: pace from steps 2-3
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                pace = (time.perf_counter() - t_pace) / 2
+                plan["steps"] = max(4, min(steps, int(seconds / pace)))
+                log(f"train: {pace * 1e3:.0f} ms a step, {plan['steps']} steps")
+            if step == 1:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t_pace = time.perf_counter()
+            if step % max(1, plan["steps"] // 10) == 0 or step == plan["steps"] - 1:
+                log(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
+            step += 1
     record = {"steps": plan["steps"], "batch": batch, "seq_len": seq_len, "lr": lr, "experts": experts,
-              "batched_selection_rows_differing": selection_differs,
-              "bf16_autocast": autocast,
-              "train_tokens": len(stream),
-              "held_out_tokens": len(held), "first_loss": losses[0], "last_loss_mean10": sum(losses[-10:]) / len(
-                  losses[-10:]), "train_s": time.perf_counter() - t0}
+              "bf16_autocast": autocast, "batched_selection_rows_differing": selection_differs,
+              "train_tokens": len(stream), "held_out_tokens": len(held), "first_loss": losses[0],
+              "last_loss_mean10": sum(losses[-10:]) / len(losses[-10:]), "train_s": time.perf_counter() - t0}
     return model.eval(), held, eos, record
 
 
