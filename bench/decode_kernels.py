@@ -1044,7 +1044,8 @@ def bench_read_bw(results, nbytes=4 << 30, dev="cuda"):
                 nbytes)
     put("torch sum", per_call_us(lambda: x.sum(dtype=torch.float32), 4, 10), nbytes)
     put("copy (read + written)", per_call_us(lambda: y.copy_(x), 4, 10), 2 * nbytes)
-    del x, y
+    x = y = None  # free the 8 GB before the expert weights
+    torch.cuda.empty_cache()
     E, k, hidden, inter, dt = 128, 10, 2560, 640, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     gate_up = (torch.randn(E, 2 * inter, hidden, device=dev, generator=g) / hidden**0.5).to(dt)

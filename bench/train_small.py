@@ -196,7 +196,7 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
     # if the first step fails: the per-expert loop instead of the grouped GEMM (which may lack a backward or an
     # autocast rule in this torch), then fp32 without autocast
     fallbacks = [("experts", "eager"), ("autocast", False)]
-    t0 = time.perf_counter()
+    t0 = t_pace = time.perf_counter()
     step = 0
     selection_differs = check_batched_selection(model, data[None, :seq_len].to(device), log)
     with batched_qsa_selection(model) as n:
