@@ -151,28 +151,36 @@ def stage_agree(results, device):
     log("agree", results["agree"])
 
 
-def stage_agree_trained(results, device, steps: int = 3000, seconds: float | None = 150):
-    """`small` trained briefly with transformers on the machine's Python standard library (bench/train_small.py),
-    then GPU bf16 vs CPU fp32 on held-out files, teacher forcing. The reference runs once on the trained fp32
-    weights and once on the bf16 checkpoint they round to (the form a model is released in)."""
+def trained_agreement(device, steps: int, seconds: float | None = None, batch: int = 32, seq_len: int = 512,
+                      spans: int = 6, span_len: int = 512) -> dict:
+    """`small` trained with transformers on the machine's Python standard library (bench/train_small.py), then bf16
+    on `device` (the GPU, or the CPU's bf16 engine) vs CPU fp32 on `spans` spans of held-out files, teacher forcing.
+    The reference runs once on the trained fp32 weights and once on the bf16 checkpoint they round to (the form a
+    model is released in)."""
     from train_small import train
 
     from qwen4exp.config import ModelConfig
 
-    hf, held, eos, record = train(device, steps, seconds=seconds, log=log)
+    hf, held, eos, record = train(device, steps, batch=batch, seq_len=seq_len, seconds=seconds, log=log)
     cfg = ModelConfig.from_hf(hf.config)
     weights = {n: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
                for n, t in hf.state_dict().items()}
     del hf
-    torch.cuda.empty_cache()
-    seqs = [held[i * 4096: i * 4096 + 512] for i in range(6)]  # 6 spans of held-out files, 4096 tokens apart
-    r = {"preset": "small", "training": record}
-    r["fp32_weights"] = top1_agreement(cfg, weights, seqs, device)
-    log("agree_trained fp32 weights", r["fp32_weights"])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    seqs = [held[i * 4096: i * 4096 + span_len] for i in range(spans)]  # spans of held-out files, 4096 tokens apart
+    r = {"preset": "small", "device": str(device), "training": record}
+    r["fp32_weights"] = top1_agreement(cfg, weights, seqs, device, prefill=span_len // 2)
+    log("trained model, fp32 weights", r["fp32_weights"])
     rounded = {n: t.to(torch.bfloat16).float() if t.is_floating_point() else t for n, t in weights.items()}
-    r["bf16_checkpoint"] = top1_agreement(cfg, rounded, seqs, device)
-    log("agree_trained bf16 checkpoint", r["bf16_checkpoint"])
-    results["agree_trained"] = r
+    r["bf16_checkpoint"] = top1_agreement(cfg, rounded, seqs, device, prefill=span_len // 2)
+    log("trained model, bf16 checkpoint", r["bf16_checkpoint"])
+    return r
+
+
+def stage_agree_trained(results, device, steps: int = 3000, seconds: float | None = 150):
+    """`trained_agreement` on the GPU: 32 x 512-token training steps for `seconds`."""
+    results["agree_trained"] = trained_agreement(device, steps, seconds)
 
 
 def stage_ours(results, device, quick=False):
