@@ -1058,7 +1058,6 @@ def bench_read_bw(results, nbytes=4 << 30, dev="cuda"):
     results["read_bw"] = rows
 
 
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)

@@ -84,11 +84,9 @@ def decode_bytes(model, ctx_len: int) -> int:
     return total
 
 
-def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: int = 256,
-                   reference_weights: dict | None = None) -> dict:
+def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: int = 256) -> dict:
     """GPU bf16 (eager prefill of the first `prefill` tokens, then one token per step: CUDA-graph decode) against the
-    CPU fp32 reference on the same weights (`reference_weights` where the reference should hold other values: the
-    checkpoint's bf16 rounding), top-1 under teacher forcing at every position of every sequence."""
+    CPU fp32 reference on the same weights, top-1 under teacher forcing at every position of every sequence."""
     from qwen4exp.engine.runner import RequestChunk
 
     def engine(dtype, dev, w, **kw):
@@ -98,7 +96,7 @@ def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: i
         return LLMEngine(None, ecfg, dtype=dtype, device=dev, model_config=cfg, tokenizer=None,
                          weights=iter(w.items()))
 
-    cpu = engine("float32", "cpu", reference_weights or weights, num_pages=300)
+    cpu = engine("float32", "cpu", weights, num_pages=300)
     gpu = engine("bfloat16", device, weights, num_pages=200, cuda_graph_sizes=[1, 2, 4])
     # the bf16 engine on the CPU: how close bf16 arithmetic itself gets to fp32 on this model
     cpu16 = engine("bfloat16", "cpu", weights, num_pages=300)

@@ -12,6 +12,7 @@ sampled ids are on the host.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import dataclasses
 import json
@@ -329,8 +330,7 @@ def run_trace_part(engine, out_dir: str, results: dict) -> None:
     gaps.sort(reverse=True)
     starts = [k["ts"] for k in ks]
 
-    def around(t):  # the kernels ending at / starting after the gap at offset t
-        import bisect
+    def around(t):  # the kernels starting before / after the gap at offset t
         j = bisect.bisect_left(starts, t + t_start)
         before = short(ks[j - 1]["name"]) if j else "-"
         after = short(ks[j]["name"]) if j < len(ks) else "-"
