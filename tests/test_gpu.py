@@ -78,8 +78,10 @@ def test_gpu_mixed_step_graphs_match_the_reference(indexer_budget):
     assert llm.llm_engine.cache.all_free()
 
 
-def test_fla_bf16_prefill_matches_the_chunked_reference():
-    """bf16 prefill through fla's varlen chunk kernel (state slots gathered / scattered) vs the fp32 reference."""
+@pytest.mark.parametrize("decodes", [0, 2])
+def test_fla_bf16_prefill_matches_the_chunked_reference(decodes):
+    """bf16 prefill through fla's varlen chunk kernel (state slots gathered / scattered) vs the fp32 reference; with
+    decodes, a mixed step: one-token requests first (the recurrent kernel), fla's sequences starting after them."""
     pytest.importorskip("fla")
     from functools import partial
     from types import SimpleNamespace
@@ -88,24 +90,26 @@ def test_fla_bf16_prefill_matches_the_chunked_reference():
     from qwen4exp.ops.gated_delta import gated_delta_rule, gated_delta_rule_ref
 
     g = torch.Generator().manual_seed(0)
-    lens, hk, hv, d = [37, 130, 5], 2, 6, 128
+    lens, hk, hv, d = [1] * decodes + [37, 130, 5], 2, 6, 128
     T = sum(lens)
     q, k = (torch.randn(T, hk, d, generator=g) for _ in range(2))
     v = torch.randn(T, hv, d, generator=g)
     gate = -torch.rand(T, hv, generator=g) * 0.5
     beta = torch.rand(T, hv, generator=g)
     state = torch.randn(5, hv, d, d, generator=g) * 0.1
-    qsl = [0, 37, 167, 172]
-    slots, has_init = [3, 1, 4], [True, False, True]
+    qsl = [0] + torch.tensor(lens).cumsum(0).tolist()
+    slots, has_init = [0, 2][:decodes] + [3, 1, 4], [True] * decodes + [True, False, True]
     ref_state = state.clone()
     ref = gated_delta_rule_ref(q, k, v, gate, beta, ref_state, qsl, slots, has_init)
     meta = SimpleNamespace(query_start_loc_cpu=qsl, query_start_loc=torch.tensor(qsl, dtype=torch.int32).cuda(),
                            state_slots_cpu=slots, state_slots=torch.tensor(slots).cuda(), has_initial_state=has_init,
-                           has_initial=torch.tensor(has_init).cuda(), num_decode_reqs=0, num_reqs=3, derived={})
+                           has_initial=torch.tensor(has_init).cuda(), num_decode_reqs=decodes,
+                           num_reqs=len(lens), derived={})
     meta.prefill_chunk_indices = partial(StepMetadata.prefill_chunk_indices, meta)
     from fla.ops.utils.index import prepare_chunk_indices  # the layout fla derives itself (with a device sync)
 
-    assert meta.prefill_chunk_indices(64).tolist() == prepare_chunk_indices(meta.query_start_loc.long(), 64).tolist()
+    prefill_cu = meta.query_start_loc[decodes:].long() - qsl[decodes]
+    assert meta.prefill_chunk_indices(64).tolist() == prepare_chunk_indices(prefill_cu, 64).tolist()
     gpu_state = state.cuda()
     out = gated_delta_rule(*(t.cuda().bfloat16() for t in (q, k, v)), gate.cuda(), beta.cuda().bfloat16(),
                            gpu_state, meta)
