@@ -1,4 +1,4 @@
-"""Where the varlen GDN conv's time goes (it runs at ~1/3 of its bytes' bandwidth time at 8k-16k tokens).
+"""Where the varlen GDN conv's time goes (at 8k-16k tokens it takes ~2.6x the bandwidth time of its bytes).
 
     python bench/conv_parts.py [--out OUT_DIR] [--tokens 16384]
 
@@ -23,6 +23,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from decode_kernels import per_call_us  # noqa: E402
 from qwen4exp.ops.triton_conv import causal_conv1d_varlen  # noqa: E402
 
 
@@ -53,25 +54,6 @@ def _taps_kernel(x_ptr, w_ptr, out_ptr, T, C, stride_xt, stride_wc, stride_ot,
     tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_c[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def graph_us(fn, calls=8, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -89,16 +71,16 @@ def main():
     out = torch.empty(T, C, device=dev, dtype=dt)
     nbytes = 2 * T * C * 2
     rows = {"tokens": T, "bandwidth_us_at_4TBs": nbytes / 4e6}
-    rows["copy_torch"] = graph_us(lambda: out.copy_(x))
+    rows["copy_torch"] = per_call_us(lambda: out.copy_(x), calls=8)
     for bt, bc, nw in ((32, 128, 4), (64, 256, 8), (16, 256, 4)):
         grid = (triton.cdiv(C, bc), triton.cdiv(T, bt))
-        rows[f"copy_tile_t{bt}_c{bc}_w{nw}"] = graph_us(lambda: _copy_tile_kernel[grid](
-            x, out, T, C, x.stride(0), out.stride(0), BT=bt, BC=bc, num_warps=nw))
-        rows[f"taps_t{bt}_c{bc}_w{nw}"] = graph_us(lambda: _taps_kernel[grid](
-            x, w, out, T, C, x.stride(0), w.stride(0), out.stride(0), K=K, BT=bt, BC=bc, num_warps=nw))
-        rows[f"varlen_t{bt}_c{bc}_w{nw}"] = graph_us(lambda: causal_conv1d_varlen(
+        rows[f"copy_tile_t{bt}_c{bc}_w{nw}"] = per_call_us(lambda: _copy_tile_kernel[grid](
+            x, out, T, C, x.stride(0), out.stride(0), BT=bt, BC=bc, num_warps=nw), calls=8)
+        rows[f"taps_t{bt}_c{bc}_w{nw}"] = per_call_us(lambda: _taps_kernel[grid](
+            x, w, out, T, C, x.stride(0), w.stride(0), out.stride(0), K=K, BT=bt, BC=bc, num_warps=nw), calls=8)
+        rows[f"varlen_t{bt}_c{bc}_w{nw}"] = per_call_us(lambda: causal_conv1d_varlen(
             x, w, state, qsl, token_req, token_local, slots, has_init, block_t=bt, block_c=bc, num_warps=nw,
-            split=(2048, 2048, 6144)))
+            split=(2048, 2048, 6144)), calls=8)
         print({k: round(v, 1) for k, v in rows.items()}, flush=True)
     # the taps kernel's output equals the varlen kernel's (no initial state, so only the request starts differ:
     # compare the rows past every request's first K-1 tokens)
