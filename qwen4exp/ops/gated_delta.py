@@ -161,6 +161,10 @@ def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
     if chunk is None:
         prefill = gated_delta_rule_ref(q[d:], k[d:], v[d:], g[d:], beta[d:], ssm_state, [x - d for x in qsl[d:]],
                                        meta.state_slots_cpu[d:], meta.has_initial_state[d:])
+        if d == 0:
+            return prefill
+        out = torch.empty_like(v)
+        out[d:] = prefill
     else:
         # fla runs on the whole step's tensors with sequences starting at the first prefill row, so its output
         # holds every row and only the decode rows are filled in afterwards (copying the prefill rows into a fresh
@@ -173,14 +177,7 @@ def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
                          use_qk_l2norm_in_kernel=True)
         ssm_state[slots] = final.float()
         out = o[0].to(v.dtype)
-        if d:
-            out[:d] = fused_recurrent_gated_delta_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], ssm_state,
-                                                       meta.state_slots[:d], meta.has_initial[:d])
-        return out
-    if d == 0:
-        return prefill
-    out = torch.empty_like(v)
-    out[:d] = fused_recurrent_gated_delta_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], ssm_state, meta.state_slots[:d],
-                                               meta.has_initial[:d])
-    out[d:] = prefill
+    if d:
+        out[:d] = fused_recurrent_gated_delta_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], ssm_state,
+                                                   meta.state_slots[:d], meta.has_initial[:d])
     return out
