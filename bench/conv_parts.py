@@ -1,4 +1,4 @@
-"""Where the varlen GDN conv's time goes (at 8k-16k tokens it takes ~2.6x the bandwidth time of its bytes).
+"""Where the varlen GDN conv's time goes, against the time of its bytes.
 
     python bench/conv_parts.py [--out OUT_DIR] [--tokens 16384]
 
@@ -7,9 +7,10 @@ planar q/k/v output, 1k-token requests without initial state):
   copy_torch      out.copy_(x) of the same strided slice (the bandwidth reference)
   copy_tile       a Triton kernel with the conv's grid and tiles that only copies its tile (one load, one store)
   taps            the four shifted tap loads and the weighted sum, without the per-token request / state loads
-  varlen          `triton_conv.causal_conv1d_varlen` as the model calls it (default tiles, then a small sweep)
+  varlen          `triton_conv.causal_conv1d_varlen` as the model calls it (default tiles, then a small sweep): the
+                  taps over the whole batch, then a small kernel rewriting each request's first rows from its state
 The differences between the rows say which part costs: the tile structure itself, the repeated tap loads, or the
-per-token index loads and the state branch. Diagnostic only: the kernels here are not used by the engine.
+requests' heads and states. Diagnostic only: the copy and taps kernels here are not used by the engine.
 """
 
 import argparse
@@ -65,7 +66,6 @@ def main():
     w = (torch.randn(C, 1, K, device=dev, generator=g) * 0.5).to(dt)[:, 0, :]  # the model's [C, 1, K] weight view
     n = T // L
     qsl = torch.arange(0, T + 1, L, device=dev)
-    token_req, token_local = torch.arange(T, device=dev) // L, torch.arange(T, device=dev) % L
     slots, has_init = torch.arange(1, n + 1, device=dev), torch.zeros(n, dtype=torch.bool, device=dev)
     state = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
     out = torch.empty(T, C, device=dev, dtype=dt)
@@ -79,15 +79,15 @@ def main():
         rows[f"taps_t{bt}_c{bc}_w{nw}"] = per_call_us(lambda: _taps_kernel[grid](
             x, w, out, T, C, x.stride(0), w.stride(0), out.stride(0), K=K, BT=bt, BC=bc, num_warps=nw), calls=8)
         rows[f"varlen_t{bt}_c{bc}_w{nw}"] = per_call_us(lambda: causal_conv1d_varlen(
-            x, w, state, qsl, token_req, token_local, slots, has_init, block_t=bt, block_c=bc, num_warps=nw,
+            x, w, state, qsl, slots, has_init, block_t=bt, block_c=bc, num_warps=nw,
             split=(2048, 2048, 6144)), calls=8)
         print({k: round(v, 1) for k, v in rows.items()}, flush=True)
     # the taps kernel's output equals the varlen kernel's (no initial state, so only the request starts differ:
     # compare the rows past every request's first K-1 tokens)
     _taps_kernel[(triton.cdiv(C, 128), triton.cdiv(T, 32))](x, w, out, T, C, x.stride(0), w.stride(0), out.stride(0),
                                                             K=K, BT=32, BC=128, num_warps=4)
-    ref = causal_conv1d_varlen(x, w, state.clone(), qsl, token_req, token_local, slots, has_init)
-    inner = token_local >= K - 1
+    ref = causal_conv1d_varlen(x, w, state.clone(), qsl, slots, has_init)
+    inner = torch.arange(T, device=dev) % L >= K - 1
     rows["taps_max_abs_diff"] = (out[inner].float() - ref[inner].float()).abs().max().item()
     print(rows, flush=True)
     if a.out:

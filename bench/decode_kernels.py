@@ -405,8 +405,6 @@ def bench_conv(results):
     T = n * L
     x = torch.randn(T, C, device=dev, generator=g).to(dt)
     qsl = torch.arange(0, T + 1, L, device=dev)
-    token_req = torch.arange(T, device=dev) // L
-    token_local = torch.arange(T, device=dev) % L
     slots = torch.arange(1, n + 1, device=dev)
     has_init = torch.zeros(n, dtype=torch.bool, device=dev)
     state = torch.zeros(n + 1, C, K - 1, device=dev, dtype=dt)
@@ -418,7 +416,7 @@ def bench_conv(results):
             for bc in (64, 128, 256):
                 for nw in (4, 8):
                     row[f"bt{bt}_bc{bc}_w{nw}"] = per_call_us(
-                        lambda: causal_conv1d_varlen(xs, w, state, qsl, token_req, token_local, slots, has_init,
+                        lambda: causal_conv1d_varlen(xs, w, state, qsl, slots, has_init,
                                                      block_t=bt, block_c=bc, num_warps=nw, split=split), calls=8)
         best = min((k for k in row if k.startswith("bt")), key=row.get)
         print(f"conv varlen 8x1024 ({layout} input): default {row['bt32_bc128_w4']:.1f} us, best {best} "

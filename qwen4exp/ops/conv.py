@@ -55,5 +55,5 @@ def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: st
     if meta.num_decode_reqs == meta.num_reqs:
         out = causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation, activation)
         return out if split is None else out.split(list(split), -1)
-    return causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.token_req, meta.token_local,
-                                meta.state_slots, meta.has_initial, dilation, activation, split=split)
+    return causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.state_slots, meta.has_initial,
+                                dilation, activation, split=split)

@@ -174,103 +174,105 @@ def causal_conv1d_update_ref(
 # ----- prefill: any number of requests of any length in one flat batch -----
 
 @triton.jit
-def _conv_taps(x_ptr, w_ptr, state_ptr, offs_t, offs_c, local, slot, init, ok, c_ok,
-               stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl,
-               K: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-               WITH_STATE: tl.constexpr):
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(K):
-        back = (K - 1 - j) * DIL  # tap j reads the input `back` positions before the token
-        src = local - back
-        from_x = src >= 0
-        xv = tl.load(x_ptr + tl.maximum(offs_t - back, 0)[:, None] * stride_xt + offs_c[None, :] * stride_xc,
-                     mask=ok & from_x[:, None], other=0.0)
-        # inputs live on in the state's dtype, so they are rounded to it here too (as the reference does)
-        xv = xv.to(state_ptr.dtype.element_ty).to(tl.float32)
-        if WITH_STATE:
-            sv = tl.load(state_ptr + slot[:, None] * stride_ss + offs_c[None, :] * stride_sc
-                         + tl.maximum(LST + src, 0)[:, None] * stride_sl,
-                         mask=ok & (~from_x & init)[:, None], other=0.0).to(tl.float32)
-            xv = tl.where(from_x[:, None], xv, sv)
-        wj = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
-        acc += xv * wj[None, :]
-    return acc
+def _out_ptrs(out_ptr, rows, offs_c, T, C, stride_ot, stride_oc, S0: tl.constexpr, S1: tl.constexpr):
+    if S0 > 0:
+        # planar output: channel parts [0, S0), [S0, S0+S1), [S0+S1, C) each stored as its own contiguous [T, width]
+        # block, one after the other
+        part_start = tl.where(offs_c >= S0 + S1, S0 + S1, tl.where(offs_c >= S0, S0, 0))
+        width = tl.where(offs_c >= S0 + S1, C - S0 - S1, tl.where(offs_c >= S0, S1, S0))
+        return (out_ptr + T.to(tl.int64) * part_start + rows.to(tl.int64) * width + offs_c - part_start)
+    else:
+        return out_ptr + rows * stride_ot + offs_c * stride_oc
 
 
 @triton.jit(do_not_specialize=["T"])
 def _conv1d_varlen_out_kernel(
-    x_ptr, w_ptr, state_ptr, req_ptr, local_ptr, slots_ptr, has_init_ptr, out_ptr,
+    x_ptr, w_ptr, state_ptr, out_ptr,
     T, C,
-    stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
-    K: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
+    stride_xt, stride_xc, stride_wc, stride_wk, stride_ot, stride_oc,
+    K: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
     S0: tl.constexpr, S1: tl.constexpr, PDL: tl.constexpr
 ):
     pdl_start(PDL)
-    # grid (channel tiles, token tiles), channel tiles fastest, as in the update kernel (8 x 1024 tokens on an H200:
-    # 221.3 -> 216.8 us)
-    t_tile, c_tile = tl.program_id(1), tl.program_id(0)
-    offs_t = t_tile * BT + tl.arange(0, BT)
-    offs_c = c_tile * BC + tl.arange(0, BC)
+    # Every row as if the batch were one sequence: a request's first (K-1)*DIL rows read the rows of the request
+    # before it (or nothing), and `_conv1d_varlen_head_kernel` rewrites them afterwards. Knowing nothing of requests
+    # keeps this pass at its loads and stores (the per-token request, slot and state loads had doubled it: 16k
+    # tokens on an H200, 437 us against 226 us for the taps alone, `bench/conv_parts.py`).
+    # grid (channel tiles, token tiles), channel tiles fastest: programs side by side read adjacent columns.
+    offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
+    offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     t_ok, c_ok = offs_t < T, offs_c < C
-    req = tl.load(req_ptr + offs_t, mask=t_ok, other=0)
-    local = tl.load(local_ptr + offs_t, mask=t_ok, other=LST)
-    slot = tl.load(slots_ptr + req, mask=t_ok, other=0)
-    init = tl.load(has_init_ptr + req, mask=t_ok, other=0) != 0
     ok = t_ok[:, None] & c_ok[None, :]
-    # Only a request's first LST tokens reach back into its state: most tiles skip those gathers (a strided,
-    # unvectorised load per tap and element, even when masked off, made the kernel ~4x slower than its bandwidth).
-    if tl.min(local, axis=0) < LST:
-        acc = _conv_taps(x_ptr, w_ptr, state_ptr, offs_t, offs_c, local, slot, init, ok, c_ok,
-                         stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl,
-                         K, LST, DIL, BT, BC, True)
-    else:
-        acc = _conv_taps(x_ptr, w_ptr, state_ptr, offs_t, offs_c, local, slot, init, ok, c_ok,
-                         stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl,
-                         K, LST, DIL, BT, BC, False)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        back = (K - 1 - j) * DIL  # tap j reads the input `back` rows before the token
+        xv = tl.load(x_ptr + tl.maximum(offs_t - back, 0)[:, None] * stride_xt + offs_c[None, :] * stride_xc,
+                     mask=ok & (offs_t >= back)[:, None], other=0.0)
+        # inputs live on in the state's dtype (state_ptr is here for it), so they are rounded to it, as the
+        # reference does
+        xv = xv.to(state_ptr.dtype.element_ty).to(tl.float32)
+        wj = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+        acc += xv * wj[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    if S0 > 0:
-        # planar output: channel parts [0, S0), [S0, S0+S1), [S0+S1, C) each stored as its own contiguous [T, width]
-        # block, one after the other (a channel tile never straddles two parts)
-        c0 = c_tile * BC
-        part_start = tl.where(c0 >= S0 + S1, S0 + S1, tl.where(c0 >= S0, S0, 0))
-        width = tl.where(c0 >= S0 + S1, C - S0 - S1, tl.where(c0 >= S0, S1, S0))
-        base = out_ptr + T.to(tl.int64) * part_start
-        ptrs = base + offs_t[:, None].to(tl.int64) * width + (offs_c - part_start)[None, :]
-    else:
-        ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_c[None, :] * stride_oc
+    ptrs = _out_ptrs(out_ptr, offs_t[:, None], offs_c[None, :], T, C, stride_ot, stride_oc, S0, S1)
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _conv1d_varlen_state_kernel(
-    x_ptr, state_ptr, qsl_ptr, slots_ptr, has_init_ptr,
-    C,
-    stride_xt, stride_xc, stride_ss, stride_sc, stride_sl,
-    LST: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr
+@triton.jit(do_not_specialize=["T"])
+def _conv1d_varlen_head_kernel(
+    x_ptr, w_ptr, state_ptr, qsl_ptr, slots_ptr, has_init_ptr, out_ptr,
+    T, C,
+    stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
+    K: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
+    SILU: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, PDL: tl.constexpr
 ):
+    """Per request and channel tile: its first LST output rows, which reach back into its state, then the state's
+    update to its last LST inputs (the state is read before it is overwritten, in one program)."""
     pdl_start(PDL)
     r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    offs_p = tl.arange(0, LP)
     start = tl.load(qsl_ptr + r)
     n = tl.load(qsl_ptr + r + 1) - start
     slot = tl.load(slots_ptr + r)
     init = tl.load(has_init_ptr + r).to(tl.int32)
-    c_ok, p_ok = offs_c < C, offs_p < LST
+    c_ok = offs_c < C
     # scalar conditions as full-shape masks (the interpreter rejects scalar & tile)
+    zero_c = tl.zeros([BC], dtype=tl.int32)
+    init_c = (zero_c + init) != 0
+    base = state_ptr + slot * stride_ss + offs_c * stride_sc
+
+    for t in tl.static_range(LST):
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(K):
+            src = t - (K - 1 - j) * DIL  # the request's input index the tap reads; negative: in the state
+            if src >= 0:
+                v = tl.load(x_ptr + (start + src) * stride_xt + offs_c * stride_xc, mask=c_ok & (zero_c + src < n),
+                            other=0.0)
+                v = v.to(state_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                v = tl.load(base + (LST + src) * stride_sl, mask=c_ok & init_c, other=0.0).to(tl.float32)
+            wj = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+            acc += v * wj
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        ptrs = _out_ptrs(out_ptr, start + t, offs_c, T, C, stride_ot, stride_oc, S0, S1)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=c_ok & (zero_c + t < n))
+
+    offs_p = tl.arange(0, LP)
+    p_ok = offs_p < LST
     zero = tl.zeros([BC, LP], dtype=tl.int32)
     init2d, nonempty = (zero + init) != 0, (zero + n) > 0
     pos = n + offs_p  # new state position p = position n + p of the window [old state (LST), inputs (n)]
     in_state = pos < LST
-    base = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
-    old = tl.load(base + tl.minimum(pos, LST - 1)[None, :] * stride_sl,
+    base2d = base[:, None]
+    old = tl.load(base2d + tl.minimum(pos, LST - 1)[None, :] * stride_sl,
                   mask=c_ok[:, None] & (p_ok & in_state)[None, :] & init2d, other=0.0)
     xv = tl.load(x_ptr + (start + tl.maximum(pos - LST, 0))[None, :] * stride_xt + offs_c[:, None] * stride_xc,
                  mask=c_ok[:, None] & (p_ok & ~in_state)[None, :], other=0.0)
     new = tl.where(in_state[None, :], old, xv.to(state_ptr.dtype.element_ty))
     tl.debug_barrier()  # the shift moves values between positions that other threads may still be reading
-    tl.store(base + offs_p[None, :] * stride_sl, new, mask=c_ok[:, None] & p_ok[None, :] & nonempty)
+    tl.store(base2d + offs_p[None, :] * stride_sl, new, mask=c_ok[:, None] & p_ok[None, :] & nonempty)
 
 
 def causal_conv1d_varlen(
@@ -278,8 +280,6 @@ def causal_conv1d_varlen(
     weight: torch.Tensor,
     conv_state: torch.Tensor,
     query_start_loc: torch.Tensor,
-    token_req: torch.Tensor,
-    token_local: torch.Tensor,
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     dilation: int = 1,
@@ -290,8 +290,8 @@ def causal_conv1d_varlen(
     split: tuple[int, int, int] | None = None,
 ):
     """`ops.conv.causal_conv1d_ref`'s contract for a whole flat batch in two launches: x [T, C]; request r owns rows
-    query_start_loc[r]:query_start_loc[r+1] (token_req / token_local: each row's request and index within it) and
-    state row state_slots[r]. Outputs are accumulated in fp32; the states are updated in place.
+    query_start_loc[r]:query_start_loc[r+1] (consecutive, covering all T rows) and state row state_slots[r].
+    Outputs are accumulated in fp32; the states are updated in place.
 
     split: channel widths of three parts (GDN's q, k, v), returned as three contiguous [T, width] tensors, where
     `out.split(split, -1)` would give strided views that fla's kernels copy (~200 us per layer at 8k tokens)."""
@@ -301,14 +301,11 @@ def causal_conv1d_varlen(
     assert conv_state.shape[1:] == (channels, state_len), "conv_state must be [S, C, (K-1)*dilation]"
     silu = _check_activation(activation)
     bt, bc = block_t, min(block_c, triton.next_power_of_2(channels))
-    planar = split is not None and split[0] % bc == 0 and split[1] % bc == 0
     out = torch.empty((total, channels), dtype=x.dtype, device=x.device)
 
     def result():
         if split is None:
             return out
-        if not planar:
-            return out.split(list(split), -1)
         flat = out.view(-1)
         return tuple(flat[total * a: total * (a + w)].view(total, w)
                      for a, w in zip((0, split[0], split[0] + split[1]), split))
@@ -316,22 +313,24 @@ def causal_conv1d_varlen(
     num_reqs = state_slots.shape[0]
     if total == 0 or num_reqs == 0:
         return result()
-    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    assert split is None or (split[0] > 0 and sum(split) == channels)
+    s0, s1 = split[:2] if split is not None else (0, 0)
     _conv1d_varlen_out_kernel[(triton.cdiv(channels, bc), triton.cdiv(total, bt))](
-        x, weight, conv_state, token_req, token_local, state_slots, has_init, out,
+        x, weight, conv_state, out,
+        total, channels,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        K=kernel, DIL=dilation, BT=bt, BC=bc, SILU=silu, S0=s0, S1=s1,
+        num_warps=num_warps, **launch_options(x)
+    )
+    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    lp = triton.next_power_of_2(state_len)
+    bch = min(triton.next_power_of_2(channels), max(16, 2048 // lp))
+    _conv1d_varlen_head_kernel[(num_reqs, triton.cdiv(channels, bch))](
+        x, weight, conv_state, query_start_loc, state_slots, has_init, out,
         total, channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(),
         out.stride(0), out.stride(1),
-        K=kernel, LST=state_len, DIL=dilation, BT=bt, BC=bc, SILU=silu,
-        S0=split[0] if planar else 0, S1=split[1] if planar else 0,
-        num_warps=num_warps, **launch_options(x)
-    )
-    lp = triton.next_power_of_2(state_len)
-    bcs = min(triton.next_power_of_2(channels), max(16, 2048 // lp))
-    _conv1d_varlen_state_kernel[(num_reqs, triton.cdiv(channels, bcs))](
-        x, conv_state, query_start_loc, state_slots, has_init,
-        channels,
-        x.stride(0), x.stride(1), *conv_state.stride(),
-        LST=state_len, LP=lp, BC=bcs, num_warps=4, **launch_options(x)
+        K=kernel, LST=state_len, DIL=dilation, LP=lp, BC=bch, SILU=silu, S0=s0, S1=s1,
+        num_warps=4, **launch_options(x)
     )
     return result()

@@ -147,11 +147,9 @@ def test_varlen_prefill_matches_reference(channels, kernel, dilation, dtype, sta
     state = torch.randn(NUM_SLOTS, channels, state_len, generator=gen).to(state_dtype)
     state[slots[2]] = float("nan")
     fast_state, ref_state = state.clone(), state.clone()
-    token_req = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)])
-    token_local = torch.tensor([i for n in lengths for i in range(n)])
 
-    out = causal_conv1d_varlen(x, weight, fast_state, torch.tensor(qsl, dtype=torch.int32), token_req, token_local,
-                               torch.tensor(slots), torch.tensor(has_init), dilation, activation)
+    out = causal_conv1d_varlen(x, weight, fast_state, torch.tensor(qsl, dtype=torch.int32), torch.tensor(slots),
+                               torch.tensor(has_init), dilation, activation)
     ref = causal_conv1d(x, weight, ref_state, qsl, slots, has_init, dilation, activation)
 
     exact = dtype == torch.float32 and state_dtype == torch.float32
@@ -162,24 +160,21 @@ def test_varlen_prefill_matches_reference(channels, kernel, dilation, dtype, sta
 
 @pytest.mark.parametrize("split,block_c", [((32, 32, 64), 32), ((16, 48, 64), 32)])
 def test_varlen_split_output_equals_split_of_the_full_output(split, block_c):
-    """GDN asks for q, k, v as separate tensors: where the channel tiles line up with the parts they come back
-    contiguous (fla would otherwise copy each), else as views; the values are those of the unsplit output."""
+    """GDN asks for q, k, v as separate tensors: they come back contiguous (fla would otherwise copy each), also
+    where a channel tile straddles two parts, with the values of the unsplit output."""
     channels, kernel = sum(split), 4
-    lengths, slots, has_init = [1, 6, 40], [2, 5, 3], [True, False, True]
+    slots, has_init = [2, 5, 3], [True, False, True]  # requests of 1, 6 and 40 tokens
     gen = torch.Generator().manual_seed(8)
     qsl = torch.tensor([0, 1, 7, 47], dtype=torch.int32)
     x = torch.randn(int(qsl[-1]), channels, generator=gen)
     weight = torch.randn(channels, kernel, generator=gen)
     state = torch.randn(NUM_SLOTS, channels, kernel - 1, generator=gen)
-    token_req = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)])
-    token_local = torch.tensor([i for n in lengths for i in range(n)])
-    args = (qsl, token_req, token_local, torch.tensor(slots), torch.tensor(has_init))
+    args = (qsl, torch.tensor(slots), torch.tensor(has_init))
     full_state, split_state = state.clone(), state.clone()
     full = causal_conv1d_varlen(x, weight, full_state, *args, block_c=block_c)
     parts = causal_conv1d_varlen(x, weight, split_state, *args, block_c=block_c, split=split)
     assert [p.shape[1] for p in parts] == list(split)
-    if all(w % block_c == 0 for w in split[:2]):
-        assert all(p.is_contiguous() for p in parts)
+    assert all(p.is_contiguous() for p in parts)
     for got, want in zip(parts, full.split(list(split), -1)):
         assert torch.equal(got, want)
     assert torch.equal(split_state, full_state)
