@@ -28,6 +28,8 @@
   moe_tiles (not in the default parts): `fused_moe` (the sorted-pairs path of 65-409 tokens, batch-64 decode) over
             gate/up tiles, then down tiles with the best gate/up tile, at 64 tokens; the best against the defaults
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
+  moe_spread (not in the default parts): the grouped experts' input in expert order at 8k and 16k tokens: torch's
+            gather and index_select against `triton_moe.spread_rows` at 256-4096 columns a program.
   blas_backends (not in the default parts): F.linear at the model's projections (and lm_head) at 1, 64 and 8192
             tokens through cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating.
   norms (not in the default parts): the GDN output norm, the PLE's grouped norm and the grouped experts' silu_mul
@@ -834,6 +836,42 @@ def bench_moe_tiles(results, tokens=64, check_tokens=(16, 32, 64, 128, 256)):
     results["moe_tiles"] = dict(tokens=tokens, rows=rows, chosen=str(chosen), check=check)
 
 
+def bench_moe_spread(results, token_counts=(8192, 16384)):
+    """The grouped experts' input in expert order at prefill sizes: torch's gather `x[order // k]` (as the grouped
+    path did, the division included) and `index_select`, against `spread_rows` (each token read once, written to
+    its k sorted rows) at 256-4096 columns a program; its bytes (x read once, the rows written) at the copy rate.
+    Then the weighted sum of the pairs' outputs (`sum_pairs`, 1024 columns a program by default) at 512-4096."""
+    from qwen4exp.ops.triton_moe import sort_pairs, spread_rows, sum_pairs
+
+    E, k, hidden, dev, dt = 128, 10, 2560, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows_out = []
+    for n in token_counts:
+        x = torch.randn(n, hidden, device=dev, generator=g).to(dt)
+        ids = torch.randint(0, E, (n, k), device=dev, generator=g)
+        order, _, rows = sort_pairs(ids, E)
+        want = x[order // k]
+        row = {"tokens": n, "bytes": (n + n * k) * hidden * 2,
+               "gather_us": per_call_us(lambda: x[order // k], calls=8),
+               "index_select_us": per_call_us(lambda: torch.index_select(x, 0, order // k), calls=8)}
+        for block in (256, 512, 1024, 4096):
+            assert torch.equal(spread_rows(x, rows, k, block), want)
+            row[f"spread_b{block}_us"] = per_call_us(lambda: spread_rows(x, rows, k, block), calls=8)
+        y = torch.randn(n * k, hidden, device=dev, generator=g).to(dt)
+        wts = torch.softmax(torch.randn(n, k, device=dev, generator=g), -1)
+        r2 = rows.view(n, k)
+        for block in (512, 1024, 4096):
+            row[f"sum_pairs_b{block}_us"] = per_call_us(lambda: sum_pairs(y, k, r2, wts, block=block), calls=8)
+        best = min((c for c in row if c.startswith("spread")), key=row.get)
+        print(f"moe_spread T={n}: gather {row['gather_us']:.1f} us, index_select {row['index_select_us']:.1f} us, "
+              + ", ".join(f"{c} {row[c]:.1f}" for c in row if c.startswith("spread"))
+              + f" (best {best}: {row['bytes'] / row[best] / 1e3:.0f} GB/s; 48 layers save "
+              f"{48 * (row['gather_us'] - row[best]) / 1e3:.1f} ms a step); sum_pairs "
+              + ", ".join(f"{c} {row[c]:.1f}" for c in row if c.startswith("sum_pairs")), flush=True)
+        rows_out.append(row)
+    results["moe_spread"] = rows_out
+
+
 def bench_gdn_warps(results, batch=64, layers=36):
     from qwen4exp.ops import triton_gdn
 
@@ -1065,7 +1103,7 @@ def main():
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
-             "moe_tiles": bench_moe_tiles, "gdn_warps": bench_gdn_warps,
+             "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,

@@ -319,3 +319,19 @@ def test_sort_pairs_is_the_stable_expert_order(tokens, top_k, experts, skew):
         want = sort_pairs_ref(ids.to(dtype), experts)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and torch.equal(a.cpu(), b), (a, b)
+
+
+@pytest.mark.parametrize("tokens,top_k,hidden,block,dtype", [
+    (37, 10, 80, 32, torch.bfloat16), (5, 3, 100, 1024, torch.float32), (0, 2, 64, 64, torch.float32)])
+def test_spread_rows_is_the_gather_in_expert_order(tokens, top_k, hidden, block, dtype):
+    """The grouped GEMM's input, written token by token to each pair's sorted row (ragged last column tile here),
+    equals the gather x[order // top_k] bit for bit."""
+    from qwen4exp.ops.moe_grouped import sort_pairs_ref
+    from qwen4exp.ops.triton_moe import spread_rows
+
+    g = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.randint(0, 8, (tokens, top_k), generator=g)
+    order, _, rows = sort_pairs_ref(ids, 8)
+    got = on_device(spread_rows)(x, rows, top_k, block)
+    assert got.shape == (tokens * top_k, hidden) and torch.equal(got, x[order // top_k])
