@@ -172,10 +172,11 @@ def test_pairwise_moe_matches_reference(n, k, e):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,weights,shared", [(False, False, False), (True, True, False), (True, True, True),
                                                  (False, False, True)])
-def test_sum_pairs_matches_reference(dtype, rows, weights, shared):
+@pytest.mark.parametrize("block", [1024, 512])  # the default, the grouped path's
+def test_sum_pairs_matches_reference(dtype, rows, weights, shared, block):
     from qwen4exp.ops.triton_moe import sum_pairs, sum_pairs_ref
 
-    n, k, h = 5, 3, 1100  # two hidden tiles, the second ragged
+    n, k, h = 5, 3, 1100  # two or three hidden tiles, the last ragged
     g = torch.Generator().manual_seed(11)
     y = torch.randn(n * k, h, generator=g).to(dtype)
     args = dict(
@@ -185,7 +186,7 @@ def test_sum_pairs_matches_reference(dtype, rows, weights, shared):
         shared=(torch.randn(n, h, generator=g).to(dtype), torch.randn(n, 9, generator=g).to(dtype)[:, 4:5])
         if shared else None,
     )
-    out = on_device(sum_pairs)(y, k, **args)
+    out = on_device(sum_pairs)(y, k, **args, block=block)
     ref = sum_pairs_ref(y, k, **args)
     assert out.dtype == dtype and out.shape == (n, h)
     # bf16: one rounding in both, but the interpreter's conversion may land one ulp off the GPU's
