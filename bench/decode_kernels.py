@@ -30,6 +30,9 @@
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
   moe_spread (not in the default parts): the grouped experts' input in expert order at 8k and 16k tokens: torch's
             gather and index_select against `triton_moe.spread_rows` at 256-4096 columns a program.
+  gdn_order (not in the default parts): the recurrent GDN decode kernel with requests fastest in its launch against
+            the value tiles of one head fastest (triton_gdn.V_TILES_FASTEST), batch 1 / 16 / 64.
+  sum_pairs_decode (not in the default parts): the decode experts' pair sum at 1-64 tokens by columns a program.
   blas_backends (not in the default parts): F.linear at the model's projections (and lm_head) at 1, 64 and 8192
             tokens through cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating.
   norms (not in the default parts): the GDN output norm, the PLE's grouped norm and the grouped experts' silu_mul
@@ -872,6 +875,73 @@ def bench_moe_spread(results, token_counts=(8192, 16384)):
     results["moe_spread"] = rows_out
 
 
+def bench_gdn_order(results, layers=36):
+    """The recurrent GDN decode kernel with requests fastest in the launch (today) against the value tiles of one
+    head fastest (`triton_gdn.V_TILES_FASTEST`), at batch 1, 16 and 64: a CUDA graph of 36 calls cycling through 8
+    state tensors (as each layer has its own), both orders alternating twice, the best of each kept."""
+    from qwen4exp.ops import triton_gdn
+
+    hk, hv, d, dev, dt = 16, 48, 128, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    A_log = torch.rand(hv, device=dev, generator=g) * 2.7
+    dt_bias = torch.randn(hv, device=dev, generator=g)
+    rows = []
+    for batch in (1, 16, 64):
+        q = torch.randn(batch, hk, d, device=dev, generator=g).to(dt)
+        k = torch.randn(batch, hk, d, device=dev, generator=g).to(dt)
+        v = torch.randn(batch, hv, d, device=dev, generator=g).to(dt)
+        b, a = (torch.randn(batch, hv, device=dev, generator=g).to(dt) for _ in range(2))
+        slots = torch.arange(1, batch + 1, device=dev)
+        has_init = torch.ones(batch, dtype=torch.bool, device=dev)
+        states = [torch.randn(batch + 1, hv, d, d, device=dev, generator=g) * 0.05 for _ in range(8)]
+        calls = iter(range(1 << 30))
+
+        def step():
+            st = states[next(calls) % len(states)]
+            return triton_gdn.fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, st, slots, has_init)
+
+        times = {False: [], True: []}
+        for _ in range(2):
+            for fastest in (False, True):
+                triton_gdn.V_TILES_FASTEST = fastest
+                times[fastest].append(per_call_us(step, calls=layers))
+        triton_gdn.V_TILES_FASTEST = False
+        state_mb = batch * hv * d * d * 4 * 2 / 1e6  # read and written
+        row = dict(batch=batch, requests_fastest_us=min(times[False]), value_tiles_fastest_us=min(times[True]),
+                   state_mb=state_mb)
+        rows.append(row)
+        print(f"gdn_order B={batch}: requests fastest {row['requests_fastest_us']:.2f} us, value tiles fastest "
+              f"{row['value_tiles_fastest_us']:.2f} us ({state_mb:.0f} MB of state: "  # MB / us = TB/s
+              f"{state_mb / row['requests_fastest_us']:.2f} / {state_mb / row['value_tiles_fastest_us']:.2f} TB/s;"
+              f" 36 layers: {36 * (row['requests_fastest_us'] - row['value_tiles_fastest_us']):.0f} us a step "
+              f"saved)", flush=True)
+    results["gdn_order"] = rows
+
+
+def bench_sum_pairs_decode(results):
+    """`sum_pairs` as `fused_moe` calls it at decode (pairs in token order, already weighted, the gated shared
+    expert added) at 1, 16 and 64 tokens, by columns a program (1024 is the default)."""
+    from qwen4exp.ops.triton_moe import sum_pairs
+
+    k, hidden, dev, dt = 10, 2560, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for n in (1, 16, 64):
+        y = torch.randn(n * k, hidden, device=dev, generator=g).to(dt)
+        shared = (torch.randn(n, hidden, device=dev, generator=g).to(dt),
+                  torch.randn(n, 1, device=dev, generator=g).to(dt))
+        ref = sum_pairs(y, k, shared=shared)
+        row = {"tokens": n}
+        for block in (256, 512, 1024, 4096):
+            assert torch.equal(sum_pairs(y, k, shared=shared, block=block), ref)
+            row[f"b{block}_us"] = min(per_call_us(lambda: sum_pairs(y, k, shared=shared, block=block), calls=48)
+                                      for _ in range(2))
+        rows.append(row)
+        print(f"sum_pairs_decode T={n}: " + ", ".join(f"{c} {v:.2f}" for c, v in row.items() if c != "tokens")
+              + " us", flush=True)
+    results["sum_pairs_decode"] = rows
+
+
 def bench_gdn_warps(results, batch=64, layers=36):
     from qwen4exp.ops import triton_gdn
 
@@ -1103,7 +1173,8 @@ def main():
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
-             "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "gdn_warps": bench_gdn_warps,
+             "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "gdn_order": bench_gdn_order,
+             "sum_pairs_decode": bench_sum_pairs_decode, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,

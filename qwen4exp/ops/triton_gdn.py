@@ -101,14 +101,20 @@ def _fused_recurrent_gdn_kernel(
     stride_ib, stride_il, stride_ih, stride_ik, stride_iv,
     scale,
     L: tl.constexpr, HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, STORE_INTER: tl.constexpr,
-    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr
+    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, V_FASTEST: tl.constexpr, INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr
 ):
     pdl_start(PDL)
-    b = tl.program_id(0).to(tl.int64)
+    # grid (requests, heads, value tiles), or (value tiles, heads, requests) with V_FASTEST: then the programs
+    # launched side by side hold the value tiles of one head's state, and read its rows whole between them
+    if V_FASTEST:
+        b, v_tile = tl.program_id(2).to(tl.int64), tl.program_id(0)
+    else:
+        b, v_tile = tl.program_id(0).to(tl.int64), tl.program_id(2)
     h = tl.program_id(1)
     hk = h // HEAD_RATIO
     offs_k = tl.arange(0, DK)
-    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    offs_v = v_tile * BV + tl.arange(0, BV)
 
     slot = tl.load(slots_ptr + b)
     has_init = tl.load(has_init_ptr + b).to(tl.int32)
@@ -140,6 +146,11 @@ def _fused_recurrent_gdn_kernel(
                 tl.store(i_ptrs, state)
 
     tl.store(s_ptrs, state)
+
+
+# Launch order of the value tiles: False puts the requests fastest (measured); True the value tiles of one head
+# (bench/decode_kernels.py --parts gdn_order times both; not yet measured on a GPU).
+V_TILES_FASTEST = False
 
 
 def _is_pow2(n: int) -> bool:
@@ -190,7 +201,8 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
     inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
     a_log, dt_bias = gate_params if gate_params is not None else (g, g)  # never read without RAW_GATES
     qsl = query_start_loc if query_start_loc is not None else state_slots  # never read without VARLEN
-    _fused_recurrent_gdn_kernel[(B, hv, dv // bv)](
+    grid = (dv // bv, hv, B) if V_TILES_FASTEST else (B, hv, dv // bv)
+    _fused_recurrent_gdn_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, out, ssm_state, state_slots, has_init, inter, qsl,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
@@ -198,7 +210,8 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         *inter_strides,
         dk ** -0.5,
         L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
-        RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, INTERPRETED=_INTERPRETED,
+        RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, V_FASTEST=V_TILES_FASTEST,
+        INTERPRETED=_INTERPRETED,
         num_warps=_num_warps(dk, bv), **launch_options(q)
     )
     return out
