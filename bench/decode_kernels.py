@@ -32,6 +32,8 @@
             gather and index_select against `triton_moe.spread_rows` at 256-4096 columns a program.
   gdn_order (not in the default parts): the recurrent GDN decode kernel with requests fastest in its launch against
             the value tiles of one head fastest (triton_gdn.V_TILES_FASTEST), batch 1 / 16 / 64.
+  moe_tma (not in the default parts): `fused_moe` with its weight tiles read through TMA descriptors
+            (triton_moe.TMA_WEIGHTS) against the pointer loads at 16 / 64 / 256 tokens, then a few tiles with TMA.
   sum_pairs_decode (not in the default parts): the decode experts' pair sum at 1-64 tokens by columns a program.
   blas_backends (not in the default parts): F.linear at the model's projections (and lm_head) at 1, 64 and 8192
             tokens through cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating.
@@ -875,6 +877,61 @@ def bench_moe_spread(results, token_counts=(8192, 16384)):
     results["moe_spread"] = rows_out
 
 
+def bench_moe_tma(results, token_counts=(16, 64, 256)):
+    """`fused_moe` with its weight tiles read through TMA descriptors (`triton_moe.TMA_WEIGHTS`) against the pointer
+    loads, at the model's widths, default tiles, alternating twice (best of each); then a few tiles with TMA on. One
+    weight set of 1.26 GB (no call finds it in L2); GB/s counts all expert weights, as every expert is hit from ~64
+    tokens."""
+    from dataclasses import replace
+
+    from qwen4exp.ops import triton_moe
+    from qwen4exp.ops.triton_moe import MoEConfig, fused_moe, get_config
+
+    E, k, hidden, inter, dev, dt = 128, 10, 2560, 640, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate_up = (torch.randn(E, 2 * inter, hidden, device=dev, generator=g) / hidden**0.5).to(dt)
+    down = (torch.randn(E, hidden, inter, device=dev, generator=g) / inter**0.5).to(dt)
+    weight_gb = (gate_up.numel() + down.numel()) * 2 / 1e9
+    rows = []
+    try:
+        for n in token_counts:
+            x = torch.randn(n, hidden, device=dev, generator=g).to(dt)
+            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)])
+            wts = torch.softmax(torch.randn(n, k, device=dev, generator=g), -1)
+            d = get_config(n, E, k, hidden, inter)
+
+            def timed(config, tma):
+                triton_moe.TMA_WEIGHTS = tma
+                return per_call_us(lambda: fused_moe(x, gate_up, down, ids, wts, config=config), calls=16)
+
+            triton_moe.TMA_WEIGHTS = False
+            ref = fused_moe(x, gate_up, down, ids, wts, config=d)
+            triton_moe.TMA_WEIGHTS = True
+            try:  # a TMA box of 128 bf16 columns (256 bytes) may be refused; the tiles below include 64
+                same = torch.equal(fused_moe(x, gate_up, down, ids, wts, config=d), ref)
+                t = [timed(d, tma) for _ in range(2) for tma in (False, True)]
+            except Exception as e:
+                print(f"moe_tma T={n}: TMA at the default tiles failed: {type(e).__name__}: {e}"[:300], flush=True)
+                same, t = None, [timed(d, False), float("inf")]
+            row = {"tokens": n, "default": str(d), "pointer_us": min(t[0::2]), "tma_us": min(t[1::2]),
+                   "equal_output": same, "tma_tiles": {}}
+            for gu, dn in (((32, 64), (64, 64)), ((32, 256), None), ((64, 128), None), (None, (64, 256)),
+                           (None, (128, 128))):
+                c = MoEConfig(d.block_m, replace(d.gate_up, block_n=gu[0], block_k=gu[1]) if gu else d.gate_up,
+                              replace(d.down, block_n=dn[0], block_k=dn[1]) if dn else d.down)
+                try:
+                    row["tma_tiles"][str(c)] = timed(c, True)
+                except Exception as e:  # a tile over the shared-memory limit
+                    row["tma_tiles"][str(c)] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
+            print(f"moe_tma T={n}: pointer loads {row['pointer_us']:.1f} us ({weight_gb / row['pointer_us'] * 1e6:.0f}"
+                  f" GB/s), TMA {row['tma_us']:.1f} us ({weight_gb / row['tma_us'] * 1e6:.0f} GB/s), output equal: "
+                  f"{same}; TMA tiles {row['tma_tiles']}", flush=True)
+    finally:
+        triton_moe.TMA_WEIGHTS = False
+    results["moe_tma"] = rows
+
+
 def bench_gdn_order(results, layers=36):
     """The recurrent GDN decode kernel with requests fastest in the launch (today) against the value tiles of one
     head fastest (`triton_gdn.V_TILES_FASTEST`), at batch 1, 16 and 64: a CUDA graph of 36 calls cycling through 8
@@ -1174,6 +1231,7 @@ def main():
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
              "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "gdn_order": bench_gdn_order,
+             "moe_tma": bench_moe_tma,
              "sum_pairs_decode": bench_sum_pairs_decode, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
