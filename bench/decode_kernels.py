@@ -30,8 +30,9 @@
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
   moe_spread (not in the default parts): the grouped experts' input in expert order at 8k and 16k tokens: torch's
             gather and index_select against `triton_moe.spread_rows` at 256-4096 columns a program.
-  gdn_order (not in the default parts): the recurrent GDN decode kernel with requests fastest in its launch against
-            the value tiles of one head fastest (triton_gdn.V_TILES_FASTEST), batch 1 / 16 / 64.
+  gdn_order (not in the default parts): the recurrent GDN decode kernel as it runs against the value tiles of one
+            head fastest in its launch (triton_gdn.V_TILES_FASTEST) and the state through TMA descriptors
+            (triton_gdn.TMA_STATE), batch 1 / 16 / 64.
   moe_tma (not in the default parts): `fused_moe` with its weight tiles read through TMA descriptors
             (triton_moe.TMA_WEIGHTS) against the pointer loads at 16 / 64 / 256 tokens, then a few tiles with TMA.
   sum_pairs_decode (not in the default parts): the decode experts' pair sum at 1-64 tokens by columns a program.
@@ -933,45 +934,63 @@ def bench_moe_tma(results, token_counts=(16, 64, 256)):
 
 
 def bench_gdn_order(results, layers=36):
-    """The recurrent GDN decode kernel with requests fastest in the launch (today) against the value tiles of one
-    head fastest (`triton_gdn.V_TILES_FASTEST`), at batch 1, 16 and 64: a CUDA graph of 36 calls cycling through 8
-    state tensors (as each layer has its own), both orders alternating twice, the best of each kept."""
+    """The recurrent GDN decode kernel as it runs (requests fastest in the launch, pointer loads of the state) against
+    the value tiles of one head fastest (`triton_gdn.V_TILES_FASTEST`) and the state through TMA descriptors
+    (`triton_gdn.TMA_STATE`), at batch 1, 16 and 64: a CUDA graph of 36 calls cycling through 8 state tensors (as
+    each layer has its own), the variants alternating twice, the best of each kept; outputs compared bit for bit."""
     from qwen4exp.ops import triton_gdn
 
     hk, hv, d, dev, dt = 16, 48, 128, "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     A_log = torch.rand(hv, device=dev, generator=g) * 2.7
     dt_bias = torch.randn(hv, device=dev, generator=g)
+    variants = {"now": (False, False), "value_tiles_fastest": (True, False), "tma_state": (False, True)}
+
+    def use(variant):
+        triton_gdn.V_TILES_FASTEST, triton_gdn.TMA_STATE = variants[variant]
+
     rows = []
-    for batch in (1, 16, 64):
-        q = torch.randn(batch, hk, d, device=dev, generator=g).to(dt)
-        k = torch.randn(batch, hk, d, device=dev, generator=g).to(dt)
-        v = torch.randn(batch, hv, d, device=dev, generator=g).to(dt)
-        b, a = (torch.randn(batch, hv, device=dev, generator=g).to(dt) for _ in range(2))
-        slots = torch.arange(1, batch + 1, device=dev)
-        has_init = torch.ones(batch, dtype=torch.bool, device=dev)
-        states = [torch.randn(batch + 1, hv, d, d, device=dev, generator=g) * 0.05 for _ in range(8)]
-        calls = iter(range(1 << 30))
+    try:
+        for batch in (1, 16, 64):
+            q = torch.randn(batch, hk, d, device=dev, generator=g).to(dt)
+            k = torch.randn(batch, hk, d, device=dev, generator=g).to(dt)
+            v = torch.randn(batch, hv, d, device=dev, generator=g).to(dt)
+            b, a = (torch.randn(batch, hv, device=dev, generator=g).to(dt) for _ in range(2))
+            slots = torch.arange(1, batch + 1, device=dev)
+            has_init = torch.ones(batch, dtype=torch.bool, device=dev)
+            states = [torch.randn(batch + 1, hv, d, d, device=dev, generator=g) * 0.05 for _ in range(8)]
+            calls = iter(range(1 << 30))
 
-        def step():
-            st = states[next(calls) % len(states)]
-            return triton_gdn.fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, st, slots, has_init)
+            def step(st=None):
+                st = st if st is not None else states[next(calls) % len(states)]
+                return triton_gdn.fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, st, slots,
+                                                                       has_init)
 
-        times = {False: [], True: []}
-        for _ in range(2):
-            for fastest in (False, True):
-                triton_gdn.V_TILES_FASTEST = fastest
-                times[fastest].append(per_call_us(step, calls=layers))
-        triton_gdn.V_TILES_FASTEST = False
-        state_mb = batch * hv * d * d * 4 * 2 / 1e6  # read and written
-        row = dict(batch=batch, requests_fastest_us=min(times[False]), value_tiles_fastest_us=min(times[True]),
-                   state_mb=state_mb)
-        rows.append(row)
-        print(f"gdn_order B={batch}: requests fastest {row['requests_fastest_us']:.2f} us, value tiles fastest "
-              f"{row['value_tiles_fastest_us']:.2f} us ({state_mb:.0f} MB of state: "  # MB / us = TB/s
-              f"{state_mb / row['requests_fastest_us']:.2f} / {state_mb / row['value_tiles_fastest_us']:.2f} TB/s;"
-              f" 36 layers: {36 * (row['requests_fastest_us'] - row['value_tiles_fastest_us']):.0f} us a step "
-              f"saved)", flush=True)
+            row = {"batch": batch, "state_mb": batch * hv * d * d * 4 * 2 / 1e6}  # read and written
+            outs = {}
+            for name in variants:
+                use(name)
+                st = states[0].clone()
+                try:
+                    outs[name] = (step(st), st)
+                except Exception as e:  # e.g. a TMA box the device refuses
+                    outs[name] = None
+                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+            times = {name: [] for name in variants if outs[name] is not None}
+            for _ in range(2):
+                for name in times:
+                    use(name)
+                    times[name].append(per_call_us(step, calls=layers))
+            for name in times:
+                row[f"{name}_us"] = min(times[name])
+                row[f"{name}_equal"] = all(torch.equal(x, y) for x, y in zip(outs[name], outs["now"]))
+            rows.append(row)
+            print(f"gdn_order B={batch}: " + ", ".join(
+                f"{name} {row[name + '_us']:.2f} us ({row['state_mb'] / row[name + '_us']:.2f} TB/s, equal "
+                f"{row[name + '_equal']})" for name in times)  # MB / us = TB/s
+                + "".join(f"; {k}: {v}" for k, v in row.items() if k.endswith("_error")), flush=True)
+    finally:
+        use("now")
     results["gdn_order"] = rows
 
 
