@@ -920,8 +920,12 @@ def bench_moe_tma(results, token_counts=(16, 64, 256)):
                            (None, (128, 128))):
                 c = MoEConfig(d.block_m, replace(d.gate_up, block_n=gu[0], block_k=gu[1]) if gu else d.gate_up,
                               replace(d.down, block_n=dn[0], block_k=dn[1]) if dn else d.down)
+                triton_moe.TMA_WEIGHTS = True
+                # which projections' tiles are whole, so that they take TMA (the others keep the pointer loads)
+                whole = [triton_moe._weight_descriptor(w, t, r) is not None
+                         for w, t, r in ((gate_up, c.gate_up, inter), (down, c.down, hidden))]
                 try:
-                    row["tma_tiles"][str(c)] = timed(c, True)
+                    row["tma_tiles"][str(c)] = dict(us=timed(c, True), tma_gate_up=whole[0], tma_down=whole[1])
                 except Exception as e:  # a tile over the shared-memory limit
                     row["tma_tiles"][str(c)] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
