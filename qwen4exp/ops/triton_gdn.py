@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .gated_delta import recurrent_gated_delta_rule_ref
-from .triton_pdl import launch_options, pdl_start
+from .triton_pdl import launch_options, pdl_start, tma_descriptor
 
 # Triton decides at decoration time whether a kernel runs in its interpreter; the flag is fixed at import here alike.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -217,12 +217,7 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
     a_log, dt_bias = gate_params if gate_params is not None else (g, g)  # never read without RAW_GATES
     qsl = query_start_loc if query_start_loc is not None else state_slots  # never read without VARLEN
     grid = (dv // bv, hv, B) if V_TILES_FASTEST else (B, hv, dv // bv)
-    state_desc = None
-    if TMA_STATE and ssm_state.is_contiguous() and (not ssm_state.is_cuda
-                                                    or torch.cuda.get_device_capability(ssm_state.device)[0] >= 9):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        state_desc = TensorDescriptor.from_tensor(ssm_state.view(-1, dv), block_shape=[dk, bv])
+    state_desc = tma_descriptor(ssm_state.view(-1, dv), [dk, bv]) if TMA_STATE and ssm_state.is_contiguous() else None
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, out, ssm_state if state_desc is None else state_desc, state_slots,
         has_init, inter, qsl,

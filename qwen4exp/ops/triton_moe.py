@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .triton_gdn import _round_to
-from .triton_pdl import launch_options, pdl_start
+from .triton_pdl import launch_options, pdl_start, tma_descriptor
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -681,11 +681,7 @@ def _weight_descriptor(w: torch.Tensor, tile: Tile, rows_per_part: int):
     down's rows, must hold whole tiles: a box crossing into the next part would read its rows)."""
     if not TMA_WEIGHTS or not w.is_contiguous() or w.shape[-1] % tile.block_k or rows_per_part % tile.block_n:
         return None
-    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block_shape=[tile.block_n, tile.block_k])
+    return tma_descriptor(w.view(-1, w.shape[-1]), [tile.block_n, tile.block_k])
 
 
 def _join(stream: torch.cuda.Stream | None) -> None:
