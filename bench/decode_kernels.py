@@ -30,12 +30,6 @@
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
   moe_spread (not in the default parts): the grouped experts' input in expert order at 8k and 16k tokens: torch's
             gather and index_select against `triton_moe.spread_rows` at 256-4096 columns a program.
-  gdn_order (not in the default parts): the recurrent GDN decode kernel as it runs against the value tiles of one
-            head fastest in its launch (triton_gdn.V_TILES_FASTEST) and the state through TMA descriptors
-            (triton_gdn.TMA_STATE), batch 1 / 16 / 64.
-  moe_tma (not in the default parts): `fused_moe` with its weight tiles read through TMA descriptors
-            (triton_moe.TMA_WEIGHTS) against the pointer loads at 16 / 64 / 256 tokens, then a few tiles with TMA.
-  sum_pairs_decode (not in the default parts): the decode experts' pair sum at 1-64 tokens by columns a program.
   blas_backends (not in the default parts): F.linear at the model's projections (and lm_head) at 1, 64 and 8192
             tokens through cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating.
   norms (not in the default parts): the GDN output norm, the PLE's grouped norm and the grouped experts' silu_mul
@@ -878,150 +872,6 @@ def bench_moe_spread(results, token_counts=(8192, 16384)):
     results["moe_spread"] = rows_out
 
 
-def bench_moe_tma(results, token_counts=(16, 64, 256)):
-    """`fused_moe` with its weight tiles read through TMA descriptors (`triton_moe.TMA_WEIGHTS`) against the pointer
-    loads, at the model's widths, default tiles, alternating twice (best of each); then a few tiles with TMA on. One
-    weight set of 1.26 GB (no call finds it in L2); GB/s counts all expert weights, as every expert is hit from ~64
-    tokens."""
-    from dataclasses import replace
-
-    from qwen4exp.ops import triton_moe
-    from qwen4exp.ops.triton_moe import MoEConfig, fused_moe, get_config
-
-    E, k, hidden, inter, dev, dt = 128, 10, 2560, 640, "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    gate_up = (torch.randn(E, 2 * inter, hidden, device=dev, generator=g) / hidden**0.5).to(dt)
-    down = (torch.randn(E, hidden, inter, device=dev, generator=g) / inter**0.5).to(dt)
-    weight_gb = (gate_up.numel() + down.numel()) * 2 / 1e9
-    rows = []
-    try:
-        for n in token_counts:
-            x = torch.randn(n, hidden, device=dev, generator=g).to(dt)
-            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)])
-            wts = torch.softmax(torch.randn(n, k, device=dev, generator=g), -1)
-            d = get_config(n, E, k, hidden, inter)
-
-            def timed(config, tma):
-                triton_moe.TMA_WEIGHTS = tma
-                return per_call_us(lambda: fused_moe(x, gate_up, down, ids, wts, config=config), calls=16)
-
-            triton_moe.TMA_WEIGHTS = False
-            ref = fused_moe(x, gate_up, down, ids, wts, config=d)
-            triton_moe.TMA_WEIGHTS = True
-            try:  # a TMA box of 128 bf16 columns (256 bytes) may be refused; the tiles below include 64
-                same = torch.equal(fused_moe(x, gate_up, down, ids, wts, config=d), ref)
-                t = [timed(d, tma) for _ in range(2) for tma in (False, True)]
-            except Exception as e:
-                print(f"moe_tma T={n}: TMA at the default tiles failed: {type(e).__name__}: {e}"[:300], flush=True)
-                same, t = None, [timed(d, False), float("inf")]
-            row = {"tokens": n, "default": str(d), "pointer_us": min(t[0::2]), "tma_us": min(t[1::2]),
-                   "equal_output": same, "tma_tiles": {}}
-            for gu, dn in (((32, 64), (64, 64)), ((32, 256), None), ((64, 128), None), (None, (64, 256)),
-                           (None, (128, 128))):
-                c = MoEConfig(d.block_m, replace(d.gate_up, block_n=gu[0], block_k=gu[1]) if gu else d.gate_up,
-                              replace(d.down, block_n=dn[0], block_k=dn[1]) if dn else d.down)
-                triton_moe.TMA_WEIGHTS = True
-                # which projections' tiles are whole, so that they take TMA (the others keep the pointer loads)
-                whole = [triton_moe._weight_descriptor(w, t, r) is not None
-                         for w, t, r in ((gate_up, c.gate_up, inter), (down, c.down, hidden))]
-                try:
-                    row["tma_tiles"][str(c)] = dict(us=timed(c, True), tma_gate_up=whole[0], tma_down=whole[1])
-                except Exception as e:  # a tile over the shared-memory limit
-                    row["tma_tiles"][str(c)] = f"{type(e).__name__}: {e}"[:200]
-            rows.append(row)
-            print(f"moe_tma T={n}: pointer loads {row['pointer_us']:.1f} us ({weight_gb / row['pointer_us'] * 1e6:.0f}"
-                  f" GB/s), TMA {row['tma_us']:.1f} us ({weight_gb / row['tma_us'] * 1e6:.0f} GB/s), output equal: "
-                  f"{same}; TMA tiles {row['tma_tiles']}", flush=True)
-    finally:
-        triton_moe.TMA_WEIGHTS = False
-    results["moe_tma"] = rows
-
-
-def bench_gdn_order(results, layers=36):
-    """The recurrent GDN decode kernel as it runs (requests fastest in the launch, pointer loads of the state) against
-    the value tiles of one head fastest (`triton_gdn.V_TILES_FASTEST`) and the state through TMA descriptors
-    (`triton_gdn.TMA_STATE`), at batch 1, 16 and 64: a CUDA graph of 36 calls cycling through 8 state tensors (as
-    each layer has its own), the variants alternating twice, the best of each kept; outputs compared bit for bit."""
-    from qwen4exp.ops import triton_gdn
-
-    hk, hv, d, dev, dt = 16, 48, 128, "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    A_log = torch.rand(hv, device=dev, generator=g) * 2.7
-    dt_bias = torch.randn(hv, device=dev, generator=g)
-    variants = {"now": (False, False), "value_tiles_fastest": (True, False), "tma_state": (False, True)}
-
-    def use(variant):
-        triton_gdn.V_TILES_FASTEST, triton_gdn.TMA_STATE = variants[variant]
-
-    rows = []
-    try:
-        for batch in (1, 16, 64):
-            q = torch.randn(batch, hk, d, device=dev, generator=g).to(dt)
-            k = torch.randn(batch, hk, d, device=dev, generator=g).to(dt)
-            v = torch.randn(batch, hv, d, device=dev, generator=g).to(dt)
-            b, a = (torch.randn(batch, hv, device=dev, generator=g).to(dt) for _ in range(2))
-            slots = torch.arange(1, batch + 1, device=dev)
-            has_init = torch.ones(batch, dtype=torch.bool, device=dev)
-            states = [torch.randn(batch + 1, hv, d, d, device=dev, generator=g) * 0.05 for _ in range(8)]
-            calls = iter(range(1 << 30))
-
-            def step(st=None):
-                st = st if st is not None else states[next(calls) % len(states)]
-                return triton_gdn.fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, st, slots,
-                                                                       has_init)
-
-            row = {"batch": batch, "state_mb": batch * hv * d * d * 4 * 2 / 1e6}  # read and written
-            outs = {}
-            for name in variants:
-                use(name)
-                st = states[0].clone()
-                try:
-                    outs[name] = (step(st), st)
-                except Exception as e:  # e.g. a TMA box the device refuses
-                    outs[name] = None
-                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
-            times = {name: [] for name in variants if outs[name] is not None}
-            for _ in range(2):
-                for name in times:
-                    use(name)
-                    times[name].append(per_call_us(step, calls=layers))
-            for name in times:
-                row[f"{name}_us"] = min(times[name])
-                row[f"{name}_equal"] = all(torch.equal(x, y) for x, y in zip(outs[name], outs["now"]))
-            rows.append(row)
-            print(f"gdn_order B={batch}: " + ", ".join(
-                f"{name} {row[name + '_us']:.2f} us ({row['state_mb'] / row[name + '_us']:.2f} TB/s, equal "
-                f"{row[name + '_equal']})" for name in times)  # MB / us = TB/s
-                + "".join(f"; {k}: {v}" for k, v in row.items() if k.endswith("_error")), flush=True)
-    finally:
-        use("now")
-    results["gdn_order"] = rows
-
-
-def bench_sum_pairs_decode(results):
-    """`sum_pairs` as `fused_moe` calls it at decode (pairs in token order, already weighted, the gated shared
-    expert added) at 1, 16 and 64 tokens, by columns a program (1024 is the default)."""
-    from qwen4exp.ops.triton_moe import sum_pairs
-
-    k, hidden, dev, dt = 10, 2560, "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    rows = []
-    for n in (1, 16, 64):
-        y = torch.randn(n * k, hidden, device=dev, generator=g).to(dt)
-        shared = (torch.randn(n, hidden, device=dev, generator=g).to(dt),
-                  torch.randn(n, 1, device=dev, generator=g).to(dt))
-        ref = sum_pairs(y, k, shared=shared)
-        row = {"tokens": n}
-        for block in (256, 512, 1024, 4096):
-            assert torch.equal(sum_pairs(y, k, shared=shared, block=block), ref)
-            row[f"b{block}_us"] = min(per_call_us(lambda: sum_pairs(y, k, shared=shared, block=block), calls=48)
-                                      for _ in range(2))
-        rows.append(row)
-        print(f"sum_pairs_decode T={n}: " + ", ".join(f"{c} {v:.2f}" for c, v in row.items() if c != "tokens")
-              + " us", flush=True)
-    results["sum_pairs_decode"] = rows
-
-
 def bench_gdn_warps(results, batch=64, layers=36):
     from qwen4exp.ops import triton_gdn
 
@@ -1253,9 +1103,7 @@ def main():
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
-             "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "gdn_order": bench_gdn_order,
-             "moe_tma": bench_moe_tma,
-             "sum_pairs_decode": bench_sum_pairs_decode, "gdn_warps": bench_gdn_warps,
+             "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,

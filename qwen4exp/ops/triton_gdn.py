@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .gated_delta import recurrent_gated_delta_rule_ref
-from .triton_pdl import launch_options, pdl_start, tma_descriptor
+from .triton_pdl import launch_options, pdl_start
 
 # Triton decides at decoration time whether a kernel runs in its interpreter; the flag is fixed at import here alike.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -101,35 +101,21 @@ def _fused_recurrent_gdn_kernel(
     stride_ib, stride_il, stride_ih, stride_ik, stride_iv,
     scale,
     L: tl.constexpr, HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, STORE_INTER: tl.constexpr,
-    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, V_FASTEST: tl.constexpr, INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr, STATE_DESC: tl.constexpr = False,
+    RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr
 ):
-    # STATE_DESC: state_ptr is a TMA descriptor of the state as [S*Hv*Dk, Dv] in [DK, BV] boxes (see TMA_STATE)
     pdl_start(PDL)
-    # grid (requests, heads, value tiles), or (value tiles, heads, requests) with V_FASTEST: then the programs
-    # launched side by side hold the value tiles of one head's state, and read its rows whole between them
-    if V_FASTEST:
-        b, v_tile = tl.program_id(2).to(tl.int64), tl.program_id(0)
-    else:
-        b, v_tile = tl.program_id(0).to(tl.int64), tl.program_id(2)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // HEAD_RATIO
     offs_k = tl.arange(0, DK)
-    offs_v = v_tile * BV + tl.arange(0, BV)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
 
     slot = tl.load(slots_ptr + b)
     has_init = tl.load(has_init_ptr + b).to(tl.int32)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
     # The mask is built at full shape (not scalar & tile): a fresh request's slot may hold NaNs, which must not be read.
     init_mask = (tl.zeros([DK, BV], dtype=tl.int32) + has_init) != 0
-    if STATE_DESC:
-        s_row = ((slot * stride_ss + h * stride_sh) // stride_sk).to(tl.int32)  # (slot * Hv + h) * Dk
-        s_col = (v_tile * BV).to(tl.int32)
-        # a fresh slot's NaNs are read here, but only selected away, never computed with
-        state = tl.where(init_mask, state_ptr.load([s_row, s_col]), 0.0)
-    else:
-        s_ptrs = (state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk
-                  + offs_v[None, :] * stride_sv)
-        state = tl.load(s_ptrs, mask=init_mask, other=0.0).to(tl.float32)
+    state = tl.load(s_ptrs, mask=init_mask, other=0.0).to(tl.float32)
     neg_decay_rate = 0.0
     dt_bias = 0.0
     if RAW_GATES:
@@ -153,19 +139,7 @@ def _fused_recurrent_gdn_kernel(
                           + offs_k[:, None] * stride_ik + offs_v[None, :] * stride_iv)
                 tl.store(i_ptrs, state)
 
-    if STATE_DESC:
-        state_ptr.store([s_row, s_col], state)
-    else:
-        tl.store(s_ptrs, state)
-
-
-# Launch order of the value tiles: False puts the requests fastest (measured); True the value tiles of one head
-# (bench/decode_kernels.py --parts gdn_order times both; not yet measured on a GPU).
-V_TILES_FASTEST = False
-# The state tile loaded and stored through a TMA descriptor (Hopper's bulk tensor copies): the copy is in flight
-# without holding registers, where the measured kernel runs at ~3.7 TB/s against 4.25 of copy bandwidth. Off: not
-# yet timed on a GPU (bench/decode_kernels.py --parts gdn_order times it).
-TMA_STATE = False
+    tl.store(s_ptrs, state)
 
 
 def _is_pow2(n: int) -> bool:
@@ -216,19 +190,15 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
     inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
     a_log, dt_bias = gate_params if gate_params is not None else (g, g)  # never read without RAW_GATES
     qsl = query_start_loc if query_start_loc is not None else state_slots  # never read without VARLEN
-    grid = (dv // bv, hv, B) if V_TILES_FASTEST else (B, hv, dv // bv)
-    state_desc = tma_descriptor(ssm_state.view(-1, dv), [dk, bv]) if TMA_STATE and ssm_state.is_contiguous() else None
-    _fused_recurrent_gdn_kernel[grid](
-        q, k, v, g, beta, a_log, dt_bias, out, ssm_state if state_desc is None else state_desc, state_slots,
-        has_init, inter, qsl,
+    _fused_recurrent_gdn_kernel[(B, hv, dv // bv)](
+        q, k, v, g, beta, a_log, dt_bias, out, ssm_state, state_slots, has_init, inter, qsl,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         *ssm_state.stride(),
         *inter_strides,
         dk ** -0.5,
         L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
-        RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, V_FASTEST=V_TILES_FASTEST,
-        INTERPRETED=_INTERPRETED, STATE_DESC=state_desc is not None,
+        RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, INTERPRETED=_INTERPRETED,
         num_warps=_num_warps(dk, bv), **launch_options(q)
     )
     return out

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .triton_gdn import _round_to
-from .triton_pdl import launch_options, pdl_start, tma_descriptor
+from .triton_pdl import launch_options, pdl_start
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -364,10 +364,8 @@ def _gate_up_kernel(
     stride_we, stride_wn, stride_wk,
     stride_am, stride_an,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
-    W_DESC: tl.constexpr = False,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
 ):
-    # W_DESC: w_ptr is a TMA descriptor of gate_up as [E*2I, H] with [BLOCK_N, BLOCK_K] boxes (see TMA_WEIGHTS)
     pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, I, BLOCK_N, GROUP_M)
     # The grid is sized for the worst case; blocks past the real padded count have nothing to do.
@@ -385,20 +383,13 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    if W_DESC:
-        g_row = (expert * 2 * I + pid_n * BLOCK_N).to(tl.int32)
-    else:
-        g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        u_ptrs = g_ptrs + I * stride_wn
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + I * stride_wn
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if W_DESC:  # whole tiles only (checked at launch), so no masks
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            g = tl.trans(w_ptr.load([g_row, k * BLOCK_K]))
-            u = tl.trans(w_ptr.load([g_row + I, k * BLOCK_K]))
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=n_mask[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_mask[None, :], other=0.0)
@@ -410,9 +401,8 @@ def _gate_up_kernel(
         acc_g = _mma(a, g, acc_g, DOT_PRECISION, DOT_UPCAST)
         acc_u = _mma(a, u, acc_u, DOT_PRECISION, DOT_UPCAST)
         a_ptrs += BLOCK_K * stride_xk
-        if not W_DESC:
-            g_ptrs += BLOCK_K * stride_wk
-            u_ptrs += BLOCK_K * stride_wk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
 
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     # Padding rows are written too (as zeros): kernel 2 reads whole blocks and only masks its own store.
@@ -429,10 +419,8 @@ def _down_kernel(
     stride_we, stride_wn, stride_wk,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
-    W_DESC: tl.constexpr = False,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr
 ):
-    # W_DESC: w_ptr is a TMA descriptor of down as [E*H, I] with [BLOCK_N, BLOCK_K] boxes (see TMA_WEIGHTS)
     pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, H, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -448,17 +436,11 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    if W_DESC:
-        b_row = (expert * H + pid_n * BLOCK_N).to(tl.int32)
-    else:
-        b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(I, BLOCK_K)):
-        if W_DESC:  # whole tiles only (checked at launch)
-            a = tl.load(a_ptrs)
-            b = tl.trans(w_ptr.load([b_row, k * BLOCK_K]))
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
         else:
@@ -467,8 +449,7 @@ def _down_kernel(
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = _mma(a, b, acc, DOT_PRECISION, DOT_UPCAST)
         a_ptrs += BLOCK_K * stride_ak
-        if not W_DESC:
-            b_ptrs += BLOCK_K * stride_wk
+        b_ptrs += BLOCK_K * stride_wk
 
     weight = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
@@ -637,51 +618,34 @@ def fused_moe(
     act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     t = config.gate_up
     grid = (num_pid_m * triton.cdiv(inter, t.block_n),)
-    gu_desc = _weight_descriptor(gate_up, t, inter)
     _gate_up_kernel[grid](
-        x, gate_up if gu_desc is None else gu_desc, act,
+        x, gate_up, act,
         sorted_ids, expert_ids, num_post_padded,
         num_pid_m, num_pairs, top_k, hidden, inter,
         x.stride(0), x.stride(1),
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), act.stride(1),
         BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        EVEN_K=hidden % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast, W_DESC=gu_desc is not None,
+        EVEN_K=hidden % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(x)
     )
 
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     t = config.down
     grid = (num_pid_m * triton.cdiv(hidden, t.block_n),)
-    down_desc = _weight_descriptor(down, t, hidden)
     _down_kernel[grid](
-        act, down if down_desc is None else down_desc, out_pairs, weights,
+        act, down, out_pairs, weights,
         sorted_ids, expert_ids, num_post_padded,
         num_pid_m, num_pairs, hidden, inter,
         act.stride(0), act.stride(1),
         down.stride(0), down.stride(1), down.stride(2),
         out_pairs.stride(0), out_pairs.stride(1),
         BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast, W_DESC=down_desc is not None,
+        EVEN_K=inter % t.block_k == 0, DOT_PRECISION=precision, DOT_UPCAST=upcast,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(act)
     )
     _join(shared_stream)
     return sum_pairs(out_pairs, top_k, shared=shared)
-
-
-# The expert kernels read their weight tiles through TMA descriptors (Hopper's bulk tensor copies) instead of
-# per-thread async copies. Off: not yet timed on a GPU (`bench/decode_kernels.py --parts moe_tma`); the batch-64
-# experts read at ~4.17 TB/s against a 4.55 TB/s read ceiling.
-TMA_WEIGHTS = False
-
-
-def _weight_descriptor(w: torch.Tensor, tile: Tile, rows_per_part: int):
-    """A TMA descriptor of the expert weights w [E, R, K] as [E*R, K] in [block_n, block_k] boxes, or None where
-    TMA_WEIGHTS is off or the tiles would not be whole (a part of rows_per_part rows, gate or up of gate_up, or
-    down's rows, must hold whole tiles: a box crossing into the next part would read its rows)."""
-    if not TMA_WEIGHTS or not w.is_contiguous() or w.shape[-1] % tile.block_k or rows_per_part % tile.block_n:
-        return None
-    return tma_descriptor(w.view(-1, w.shape[-1]), [tile.block_n, tile.block_k])
 
 
 def _join(stream: torch.cuda.Stream | None) -> None:
