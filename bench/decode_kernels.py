@@ -30,6 +30,7 @@
             at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
   moe_spread (not in the default parts): the grouped experts' input in expert order at 8k and 16k tokens: torch's
             gather and index_select against `triton_moe.spread_rows` at 256-4096 columns a program.
+  sum_pairs_decode (not in the default parts): the decode experts' pair sum at 1-64 tokens by columns a program.
   blas_backends (not in the default parts): F.linear at the model's projections (and lm_head) at 1, 64 and 8192
             tokens through cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library), alternating.
   norms (not in the default parts): the GDN output norm, the PLE's grouped norm and the grouped experts' silu_mul
@@ -840,7 +841,7 @@ def bench_moe_spread(results, token_counts=(8192, 16384)):
     """The grouped experts' input in expert order at prefill sizes: torch's gather `x[order // k]` (as the grouped
     path did, the division included) and `index_select`, against `spread_rows` (each token read once, written to
     its k sorted rows) at 256-4096 columns a program; its bytes (x read once, the rows written) at the copy rate.
-    Then the weighted sum of the pairs' outputs (`sum_pairs`, 1024 columns a program by default) at 512-4096."""
+    Then the weighted sum of the pairs' outputs (`sum_pairs`, 512 columns a program by default here) at 512-4096."""
     from qwen4exp.ops.triton_moe import sort_pairs, spread_rows, sum_pairs
 
     E, k, hidden, dev, dt = 128, 10, 2560, "cuda", torch.bfloat16
@@ -870,6 +871,30 @@ def bench_moe_spread(results, token_counts=(8192, 16384)):
               + ", ".join(f"{c} {row[c]:.1f}" for c in row if c.startswith("sum_pairs")), flush=True)
         rows_out.append(row)
     results["moe_spread"] = rows_out
+
+
+def bench_sum_pairs_decode(results):
+    """`sum_pairs` as `fused_moe` calls it at decode (pairs in token order, already weighted, the gated shared
+    expert added) at 1, 16 and 64 tokens, by columns a program (the default: 256 up to 16 tokens, 512 above)."""
+    from qwen4exp.ops.triton_moe import sum_pairs
+
+    k, hidden, dev, dt = 10, 2560, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for n in (1, 16, 64):
+        y = torch.randn(n * k, hidden, device=dev, generator=g).to(dt)
+        shared = (torch.randn(n, hidden, device=dev, generator=g).to(dt),
+                  torch.randn(n, 1, device=dev, generator=g).to(dt))
+        ref = sum_pairs(y, k, shared=shared, block=1024)
+        row = {"tokens": n}
+        for block in (256, 512, 1024, 4096):
+            assert torch.equal(sum_pairs(y, k, shared=shared, block=block), ref)
+            row[f"b{block}_us"] = min(per_call_us(lambda: sum_pairs(y, k, shared=shared, block=block), calls=48)
+                                      for _ in range(2))
+        rows.append(row)
+        print(f"sum_pairs_decode T={n}: " + ", ".join(f"{c} {v:.2f}" for c, v in row.items() if c != "tokens")
+              + " us", flush=True)
+    results["sum_pairs_decode"] = rows
 
 
 def bench_gdn_warps(results, batch=64, layers=36):
@@ -1103,7 +1128,8 @@ def main():
     parts = {"hc": bench_hc, "moe": bench_moe, "align": bench_align, "route": bench_route, "gemv": bench_gemv,
              "gdn": bench_gdn, "conv": bench_conv, "hc_batch": bench_hc_batch,
              "prefill_attn": bench_prefill_attn, "gemm_layouts": bench_gemm_layouts,
-             "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "gdn_warps": bench_gdn_warps,
+             "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "sum_pairs_decode": bench_sum_pairs_decode,
+             "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
              "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,

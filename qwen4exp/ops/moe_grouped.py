@@ -74,5 +74,4 @@ def grouped_moe(
     h = torch._grouped_mm(spread_rows(x, rows, top_k), gate_up.transpose(1, 2), offs=offs)
     # one pass over both halves (inductor's compiled silu_mul ran at ~60% of bandwidth here)
     y = torch._grouped_mm(silu_mul_halves(h), down.transpose(1, 2), offs=offs)
-    # 512 columns a program (1024 elsewhere): H200, 16k tokens, 238.8 -> 216.4 us (`--parts moe_spread`)
-    return sum_pairs(y, top_k, rows.view(num_tokens, top_k), topk_weights, shared, block=512).to(x.dtype)
+    return sum_pairs(y, top_k, rows.view(num_tokens, top_k), topk_weights, shared).to(x.dtype)

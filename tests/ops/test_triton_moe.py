@@ -172,7 +172,7 @@ def test_pairwise_moe_matches_reference(n, k, e):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,weights,shared", [(False, False, False), (True, True, False), (True, True, True),
                                                  (False, False, True)])
-@pytest.mark.parametrize("block", [1024, 512])  # the default, the grouped path's
+@pytest.mark.parametrize("block", [None, 512, 1024])  # the default (256 columns at 5 tokens), overrides
 def test_sum_pairs_matches_reference(dtype, rows, weights, shared, block):
     from qwen4exp.ops.triton_moe import sum_pairs, sum_pairs_ref
 
