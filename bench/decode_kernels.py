@@ -27,7 +27,8 @@
             at 64 tokens only); per decode step, the microseconds a layout would save (calls per step x difference).
   moe_tiles (not in the default parts): `fused_moe` (the sorted-pairs path of 65-409 tokens, batch-64 decode) over
             gate/up tiles, then down tiles with the best gate/up tile, at 64 tokens; the best against the defaults
-            at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2.
+            at 16-256 tokens. One weight set of 1.26 GB: no call finds it in L2. moe_tiles128: the same sweep at
+            128 tokens (the upper half of the first tier), checked at 72, 128 and 200.
   moe_spread (not in the default parts): the grouped experts' input in expert order at 8k and 16k tokens: torch's
             gather and index_select against `triton_moe.spread_rows` at 256-4096 columns a program.
   sum_pairs_decode (not in the default parts): the decode experts' pair sum at 1-64 tokens by columns a program.
@@ -1135,7 +1136,8 @@ def main():
              "autotune_linear": bench_autotune_linear,
              "hc_autotune": bench_hc_autotune,
              "pdl": bench_pdl, "read_bw": bench_read_bw,
-             "gemm_layouts64": lambda r: bench_gemm_layouts(r, token_counts=(64,))}
+             "gemm_layouts64": lambda r: bench_gemm_layouts(r, token_counts=(64,)),
+             "moe_tiles128": lambda r: bench_moe_tiles(r, tokens=128, check_tokens=(72, 128, 200))}
     for part in a.parts.split(","):
         parts[part](results)
     if a.out:

@@ -150,7 +150,7 @@ def stage_agree(results, device):
 
 
 def trained_agreement(device, steps: int, seconds: float | None = None, batch: int = 32, seq_len: int = 512,
-                      spans: int = 6, span_len: int = 512) -> dict:
+                      spans: int = 6, span_len: int = 512, corpus_chars: int = 12_000_000) -> dict:
     """`small` trained with transformers on the machine's Python standard library (bench/train_small.py), then bf16
     on `device` (the GPU, or the CPU's bf16 engine) vs CPU fp32 on `spans` spans of held-out files, teacher forcing.
     The reference runs once on the trained fp32 weights and once on the bf16 checkpoint they round to (the form a
@@ -159,7 +159,8 @@ def trained_agreement(device, steps: int, seconds: float | None = None, batch: i
 
     from qwen4exp.config import ModelConfig
 
-    hf, held, eos, record = train(device, steps, batch=batch, seq_len=seq_len, seconds=seconds, log=log)
+    hf, held, eos, record = train(device, steps, batch=batch, seq_len=seq_len, seconds=seconds,
+                                  corpus_chars=corpus_chars, log=log)
     cfg = ModelConfig.from_hf(hf.config)
     weights = {n: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
                for n, t in hf.state_dict().items()}
@@ -176,9 +177,10 @@ def trained_agreement(device, steps: int, seconds: float | None = None, batch: i
     return r
 
 
-def stage_agree_trained(results, device, steps: int = 3000, seconds: float | None = 150):
+def stage_agree_trained(results, device, steps: int = 3000, seconds: float | None = 150,
+                        corpus_chars: int = 12_000_000):
     """`trained_agreement` on the GPU: 32 x 512-token training steps for `seconds`."""
-    results["agree_trained"] = trained_agreement(device, steps, seconds)
+    results["agree_trained"] = trained_agreement(device, steps, seconds, corpus_chars=corpus_chars)
 
 
 def stage_ours(results, device, quick=False):
@@ -351,6 +353,8 @@ def main():
     ap.add_argument("--train-steps", type=int, default=3000, help="agree_trained: at most this many training steps")
     ap.add_argument("--train-seconds", type=float, default=150,
                     help="agree_trained: as many steps as fit this time at the first steps' pace")
+    ap.add_argument("--train-chars", type=int, default=12_000_000,
+                    help="agree_trained: characters of standard-library source to train on (every tenth file held out)")
     args = ap.parse_args()
     # the engine logs where startup goes (weights, graph capture, warm-up): keep it in the suite's log
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -373,7 +377,7 @@ def main():
             if stage == "agree":
                 stage_agree(results, device)
             elif stage == "agree_trained":
-                stage_agree_trained(results, device, args.train_steps, args.train_seconds)
+                stage_agree_trained(results, device, args.train_steps, args.train_seconds, args.train_chars)
             elif stage == "ours":
                 engine = stage_ours(results, device, args.quick)
             elif stage == "profile":

@@ -171,13 +171,13 @@ def batched_qsa_selection(model):
 
 
 def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512, lr: float = 2e-3, seed: int = 0,
-          seconds: float | None = None, log=print):
+          seconds: float | None = None, corpus_chars: int = 12_000_000, log=print):
     """Returns (the trained transformers model in eval mode, fp32; the held-out token stream; the EOS id; a record
     of the run). bf16 autocast on CUDA, fp32 on the CPU; AdamW with a linear warm-up and cosine decay over `steps`,
     or, with `seconds`, over as many steps (at most `steps`) as the first steps' pace fits into that time."""
     tok, eos = load_tokenizer()
     t0 = time.perf_counter()
-    stream, held = token_streams(tok, eos)
+    stream, held = token_streams(tok, eos, max_chars=corpus_chars)
     log(f"corpus: {len(stream)} train / {len(held)} held-out tokens in {time.perf_counter() - t0:.1f}s")
     torch.manual_seed(seed)
     with _transformers_without_fla() as modeling:
@@ -242,7 +242,8 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
             step += 1
     record = {"steps": plan["steps"], "batch": batch, "seq_len": seq_len, "lr": lr, "experts": experts,
               "bf16_autocast": autocast, "batched_selection_rows_differing": selection_differs,
-              "train_tokens": len(stream), "held_out_tokens": len(held), "first_loss": losses[0],
+              "corpus_chars": corpus_chars, "train_tokens": len(stream), "held_out_tokens": len(held),
+              "first_loss": losses[0],
               "last_loss_mean10": sum(losses[-10:]) / len(losses[-10:]), "train_s": time.perf_counter() - t0}
     return model.eval(), held, eos, record
 
