@@ -101,8 +101,12 @@ def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: i
     # the bf16 engine on the CPU: how close bf16 arithmetic itself gets to fp32 on this model
     cpu16 = engine("bfloat16", "cpu", weights, num_pages=300)
     same = total = same16 = same_gpu16 = 0
+    # the same argmaxes with the logits rounded to bf16 (transformers' logits, and ours before they were fp32), and
+    # with the reference's own logits rounded: how much of the disagreement is that last rounding
+    same_r = same16_r = ref_r = 0
     nonfinite = 0
-    gaps, differ, top1_probs = [], [], []  # the reference's top-2 logit gap everywhere, where the GPU's top-1 differs
+    # the reference's top-2 logit gap everywhere, where the GPU's top-1 differs, its top-1 probability and logit
+    gaps, differ, top1_probs, top1_logits = [], [], [], []
     for seq in seqs:
         pages_needed = -(-len(seq) // 16)
         ref = cpu.runner.execute([RequestChunk(seq, 0, [], cpu.cache.pages.allocate(pages_needed),
@@ -110,6 +114,8 @@ def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: i
         ref16 = cpu16.runner.execute([RequestChunk(seq, 0, [], cpu16.cache.pages.allocate(pages_needed),
                                                    cpu16.cache.slots.allocate(1)[0], 0)]).float()
         same16 += int((ref16.argmax(-1) == ref.argmax(-1)).sum())
+        same16_r += int((ref16.bfloat16().argmax(-1) == ref.argmax(-1)).sum())
+        ref_r += int((ref.bfloat16().argmax(-1) == ref.argmax(-1)).sum())
         pages, slot = gpu.cache.pages.allocate(pages_needed), gpu.cache.slots.allocate(1)[0]
         rows = [gpu.runner.execute([RequestChunk(seq[:prefill], 0, [], pages, slot, 0)])]
         for p in range(prefill, len(seq)):  # one token per step: the CUDA-graph decode path
@@ -118,18 +124,24 @@ def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: i
         out = torch.cat(rows).float().cpu()
         nonfinite += int((~torch.isfinite(out)).sum())
         same += int((out.argmax(-1) == ref.argmax(-1)).sum())
+        same_r += int((out.bfloat16().argmax(-1) == ref.argmax(-1)).sum())
         top2 = ref.topk(2, -1).values
         gaps.append(top2[:, 0] - top2[:, 1])
         differ.append(out.argmax(-1) != ref.argmax(-1))
         top1_probs.append(torch.softmax(ref, -1).max(-1).values)
+        top1_logits.append(top2[:, 0])
         same_gpu16 += int((out.argmax(-1) == ref16.argmax(-1)).sum())
         total += len(seq)
-    gaps, differ, top1_probs = torch.cat(gaps), torch.cat(differ), torch.cat(top1_probs)
+    gaps, differ, top1_probs, top1_logits = map(torch.cat, (gaps, differ, top1_probs, top1_logits))
     del cpu, gpu, cpu16
     return {"positions": total, "top1_agreement": same / total,
             "cpu_bf16_reference_top1_agreement": same16 / total,
             "gpu_vs_cpu_bf16_top1_agreement": same_gpu16 / total,
+            "top1_agreement_logits_rounded_to_bf16": same_r / total,
+            "cpu_bf16_reference_top1_agreement_logits_rounded_to_bf16": same16_r / total,
+            "reference_logits_rounded_to_bf16_top1_agreement": ref_r / total,
             "median_top1_prob": float(top1_probs.median()),
+            "ref_top1_logit_median": float(top1_logits.median()),
             "ref_top2_gap_median": float(gaps.median()),
             "ref_top2_gap_max_where_top1_differs": float(gaps[differ].max()) if differ.any() else 0.0,
             "nonfinite_logits": nonfinite, "graph_decode_positions": len(seqs) * (len(seqs[0]) - prefill)}

@@ -133,10 +133,10 @@ def test_temperature_sampling_follows_the_softmax(seeded_rows):
     assert not torch.equal(counts[0], counts[2])  # rows draw independent noise
 
 
-def test_model_dtype_logits_sample_as_their_fp32_widening():
-    """The model hands the sampler logits in its dtype (bf16 on the GPU). Greedy rows take their argmax as they are;
-    sampling, penalties and logprobs widen them to fp32 first: every result equals that of the widened logits, and
-    the caller's logits are left untouched."""
+def test_bf16_logits_sample_as_their_fp32_widening():
+    """The sampler takes logits of any float dtype (the model's are fp32). Greedy rows take the argmax of bf16 rows
+    as they are; sampling, penalties and logprobs widen them to fp32 first: every result equals that of the widened
+    logits, and the caller's logits are left untouched."""
     from qwen4exp.engine.request import Request
     from qwen4exp.engine.sampler import Sampler
 

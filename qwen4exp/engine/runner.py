@@ -133,7 +133,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Runs one step; returns the logits (model dtype) of the wanted rows, in the order of `chunks`. `pending_ids`:
+        """Runs one step; returns the logits (fp32) of the wanted rows, in the order of `chunks`. `pending_ids`:
         the previous step's sampled ids on the device, for chunks with a `pending_row`. After a CUDA-graph decode step
         the logits are a view of the graph's output, valid until the next step is launched: work reading them must
         be queued before (the sampler's is) or take a copy. (The engine keeps logits past a step only for prompt

@@ -105,8 +105,8 @@ class Sampler:
         self.request_generators.pop(req.request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> SamplerOutput:
-        """logits: [B, V] raw logits (the model's dtype; everything but the argmax of greedy rows is computed on them
-        widened to fp32), one row per request that samples this step."""
+        """logits: [B, V] raw logits (fp32 from the model; a narrower dtype is widened to fp32 for everything but
+        the argmax of greedy rows), one row per request that samples this step."""
         return self.sample(logits, requests, stop_ids).to_host()
 
     def sample(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> "SampledBatch":
@@ -115,8 +115,7 @@ class Sampler:
         raw_logits = logits
         if any(_adjusts_logits(r.params) for r in requests):
             logits = apply_penalties(logits.to(torch.float32, copy=True), requests, stop_ids)
-        # widening is exact and order-preserving, so greedy rows take the argmax of the logits as they come (a bf16
-        # read of 64 x 248k instead of a widening copy and an fp32 read)
+        # widening is exact and order-preserving, so greedy rows take the argmax of the logits as they come
         tokens = logits.argmax(-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:

@@ -112,6 +112,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.model(meta, cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, vocab] in the model's dtype (as transformers computes them; the sampler and
-        the logprobs widen them to fp32, exactly)."""
-        return self.lm_head(hidden)
+        """hidden: [N, H] -> logits [N, vocab] in fp32 (transformers rounds them to the model's dtype; see
+        ops.linear.fp32_out_linear for why we do not)."""
+        return ops.linear.fp32_out_linear(hidden, self.lm_head.weight)

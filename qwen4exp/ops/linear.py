@@ -9,6 +9,8 @@ shared gate and shared expert) is not 16-byte aligned, and cuBLAS then falls bac
 
 `linear` is F.linear, except for one token on the GPU (decode), where cuBLAS runs these widths well below HBM
 bandwidth: there it is one Triton GEMV launch (ops/triton_linear.py).
+
+`fp32_out_linear` (the lm_head) keeps the GEMM's fp32 accumulator instead of rounding it to the operands' dtype.
 """
 
 import torch
@@ -51,6 +53,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if supported(x, weight):
             return gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def fp32_out_linear(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 32768) -> torch.Tensor:
+    """x @ weight.T in fp32: bf16 operands, fp32 accumulation, and no rounding of the result to bf16.
+
+    For the logits. A trained model's top logits lie around 8-16, where one bf16 step is 1/16, so bf16 logits turn
+    near ties into exact ones and flip the argmax: on `small` trained on the CPU (docs/benchmarks.md) a third of the
+    bf16 engine's top-1 disagreements with fp32 came from that rounding alone. On the GPU cuBLAS writes its fp32
+    accumulator directly (no widened weight; the extra cost is the wider output, 64 x 248k x 2 bytes at batch 64).
+    The reference widens `chunk_rows` weight rows at a time, so it never holds an fp32 copy of the whole matrix."""
+    from . import fast_path
+
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    if fast_path(x):
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    x32 = x.float()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, weight.shape[0], chunk_rows):
+        out[:, start:start + chunk_rows] = F.linear(x32, weight[start:start + chunk_rows].float())
+    return out
 
 
 def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list | None = None) -> list[torch.Tensor]:

@@ -121,3 +121,18 @@ def test_dispatch_on_the_fast_path(monkeypatch):
     assert calls == [1, MAX_TOKENS]
     linear_ops.linear(x[:1], weights[0], torch.zeros(5, device=dev))
     assert calls == [1, MAX_TOKENS]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fp32_out_linear_keeps_the_accumulator(tokens):
+    """The logits GEMM: bf16 operands, the fp32 result not rounded to bf16; the reference (widening a few weight rows
+    at a time, here 7 of 20) and the GPU's cuBLAS call give the fp32 product of the bf16 values."""
+    x, w = _inputs(tokens, 20, 256, torch.bfloat16)
+    want = F.linear(x.float(), w.float())
+    ref = linear_ops.fp32_out_linear(x, w, chunk_rows=7)
+    assert ref.dtype == torch.float32
+    torch.testing.assert_close(ref, want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(ref, want.bfloat16().float())  # not rounded to bf16
+    fast = on_device(linear_ops.fp32_out_linear)(x, w)
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
