@@ -60,6 +60,8 @@
             head_dim 256, page 16): `sparse_paged_attention` (the current path) against the flash-style
             `prefill_paged_attention` at its defaults and a tile sweep, 8 x 1024 and 1 x 8192 new tokens and
             4 x 1024 after 3072 cached; run it before setting ops.attention.PREFILL_KERNEL_MIN_TOKENS.
+  lm_head (not in the default parts): the logits GEMM [248320, 2560] at 1 and 64 tokens with bf16 output (before
+            ad7f1ac) against `fp32_out_linear` (cuBLAS writing its fp32 accumulator), plus the greedy argmax of each.
 
 Each variant is captured in a CUDA graph of `calls` calls (a decode step's worth), replayed 30 times; prints the
 median microseconds per call, the weight bytes per call over that time, and the max difference from the reference.
@@ -1031,6 +1033,27 @@ def bench_pdl(results, kernels=192, dev="cuda"):
     results["pdl"] = rows
 
 
+def bench_lm_head(results, vocab=248320, hidden=2560, token_counts=(1, 64), dev="cuda"):
+    from qwen4exp.ops.linear import fp32_out_linear
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = weight_copies(vocab, hidden, 1, g, torch.bfloat16, dev)[0]  # 1.27 GB: never in L2
+    rows = []
+    for n in token_counts:
+        x = torch.randn(n, hidden, device=dev, generator=g).to(torch.bfloat16)
+        want = x.float() @ w.float().t()
+        row = {"tokens": n,
+               "bf16_out_us": per_call_us(lambda: torch.mm(x, w.t()), 4),
+               "fp32_out_us": per_call_us(lambda: fp32_out_linear(x, w), 4),
+               "bf16_out_argmax_us": per_call_us(lambda: torch.mm(x, w.t()).argmax(-1), 4),
+               "fp32_out_argmax_us": per_call_us(lambda: fp32_out_linear(x, w).argmax(-1), 4),
+               "fp32_out_max_err": float((fp32_out_linear(x, w) - want).abs().max()),
+               "bf16_out_max_err": float((torch.mm(x, w.t()).float() - want).abs().max())}
+        print("lm_head", row, flush=True)
+        rows.append(row)
+    results["lm_head"] = rows
+
+
 def bench_route_big(results, token_counts=(64, 256, 1024, 4096, 16384), dev="cuda"):
     """The router (softmax + top-10 of 128 + renormalisation) at prefill sizes: the one-warp-per-token Triton kernel
     against the compiled reference (softmax, torch.topk, the renormalisation), 48 calls a graph."""
@@ -1132,7 +1155,8 @@ def main():
              "moe_tiles": bench_moe_tiles, "moe_spread": bench_moe_spread, "sum_pairs_decode": bench_sum_pairs_decode,
              "gdn_warps": bench_gdn_warps,
              "blas_backends": bench_blas_backends, "norms": bench_norms,
-             "route_big": bench_route_big, "norm_rope": bench_norm_rope, "grouped_sort": bench_grouped_sort,
+             "route_big": bench_route_big, "lm_head": bench_lm_head, "norm_rope": bench_norm_rope,
+             "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,
              "hc_autotune": bench_hc_autotune,
              "pdl": bench_pdl, "read_bw": bench_read_bw,
