@@ -15,6 +15,8 @@
 set -e
 out=$1; rounds=$2; shift 2
 mkdir -p "$out"
+# without fla-core GDN prefill runs the torch reference and the run is ~40% slower, which looks like a slow machine
+python -c "import fla.ops.gated_delta_rule" 2>/dev/null || echo "WARNING: fla-core is not importable from $(command -v python); prefill runs the reference"
 model=$(mktemp -d)
 python -c "
 import json, sys

@@ -373,8 +373,11 @@ def main():
     logging.getLogger("qwen4exp").setLevel(logging.INFO)
     os.makedirs(args.out, exist_ok=True)
     RESULTS_PATH = os.path.join(args.out, "results.json")
+    from qwen4exp.ops.gated_delta import _fla_chunk
+
+    # whether GDN prefill runs fla's kernel or the (much slower) reference: a missing fla looks like a slow GPU
     results = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-                       "triton": __import__("triton").__version__}}
+                       "triton": __import__("triton").__version__, "fla_chunk_kernel": _fla_chunk() is not None}}
     if os.path.exists(RESULTS_PATH):
         results = json.load(open(RESULTS_PATH)) | results
     device = torch.device("cuda")

@@ -6,10 +6,15 @@ with q, k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5. Query/key head h ser
 Prefill runs the chunked (UT-transform) form, single tokens the recurrent form; both are fp32.
 """
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from . import compiled_on_gpu
+
+logger = logging.getLogger("qwen4exp")
 
 CHUNK = 64
 
@@ -116,10 +121,16 @@ def warm_up_token_counts(num_key_heads: int, max_tokens: int) -> list[int]:
     return [min(n * per_bucket, max_tokens) for n in range(2, -(-max_tokens // per_bucket) + 1)]
 
 
+@functools.cache
 def _fla_chunk():
+    """fla-core's chunk kernel, or None with one warning: without it a GPU prefill step runs the torch reference,
+    ~50x the kernels and ~3-4x the wall time of a 16 x 1k step, which is otherwise easy to mistake for a slow GPU
+    (three benchmark sessions did, with fla installed into another interpreter than the one running)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
+    except ImportError as e:
+        logger.warning("fla-core is not importable from this interpreter (%s): bf16 GDN prefill on the GPU runs the "
+                       "torch reference, several times slower; install it with `python -m pip install fla-core`", e)
         return None
     return chunk_gated_delta_rule
 
