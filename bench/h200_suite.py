@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen4exp.bench.compile_log import CompileLog  # noqa: E402
 from qwen4exp.config import EngineConfig, load_model_config  # noqa: E402
 from qwen4exp.engine.engine import LLMEngine  # noqa: E402
+from qwen4exp.ops.gated_delta import fla_chunk  # noqa: E402
 from qwen4exp.weights.random_checkpoint import preset_config  # noqa: E402
 
 
@@ -373,11 +374,9 @@ def main():
     logging.getLogger("qwen4exp").setLevel(logging.INFO)
     os.makedirs(args.out, exist_ok=True)
     RESULTS_PATH = os.path.join(args.out, "results.json")
-    from qwen4exp.ops.gated_delta import _fla_chunk
-
     # whether GDN prefill runs fla's kernel or the (much slower) reference: a missing fla looks like a slow GPU
     results = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-                       "triton": __import__("triton").__version__, "fla_chunk_kernel": _fla_chunk() is not None}}
+                       "triton": __import__("triton").__version__, "fla_chunk_kernel": fla_chunk() is not None}}
     if os.path.exists(RESULTS_PATH):
         results = json.load(open(RESULTS_PATH)) | results
     device = torch.device("cuda")

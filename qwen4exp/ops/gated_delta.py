@@ -122,7 +122,7 @@ def warm_up_token_counts(num_key_heads: int, max_tokens: int) -> list[int]:
 
 
 @functools.cache
-def _fla_chunk():
+def fla_chunk():
     """fla-core's chunk kernel, or None with one warning: without it a GPU prefill step runs the torch reference,
     ~50x the kernels and ~3-4x the wall time of a 16 x 1k step, which is otherwise easy to mistake for a slow GPU
     (three benchmark sessions did, with fla installed into another interpreter than the one running)."""
@@ -168,7 +168,7 @@ def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
     if d == r:
         return fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, meta.state_slots, meta.has_initial)
     # fla's chunk kernels use TF32 dots on fp32 inputs (~1e-3 relative error): fp32 callers get the exact reference
-    chunk = _fla_chunk() if v.dtype != torch.float32 else None
+    chunk = fla_chunk() if v.dtype != torch.float32 else None
     if chunk is None:
         prefill = gated_delta_rule_ref(q[d:], k[d:], v[d:], g[d:], beta[d:], ssm_state, [x - d for x in qsl[d:]],
                                        meta.state_slots_cpu[d:], meta.has_initial_state[d:])

@@ -60,9 +60,10 @@ def fp32_out_linear(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 327
 
     For the logits. A trained model's top logits lie around 8-16, where one bf16 step is 1/16, so bf16 logits turn
     near ties into exact ones and flip the argmax: on `small` trained on the CPU (docs/benchmarks.md, twenty-fourth
-    session) the bf16 engine's top-1 agreement with fp32 went from 98.73% to 99.41% with fp32 logits. On the GPU cuBLAS writes its fp32
-    accumulator directly (no widened weight; the extra cost is the wider output, 64 x 248k x 2 bytes at batch 64).
-    The reference widens `chunk_rows` weight rows at a time, so it never holds an fp32 copy of the whole matrix."""
+    session) the bf16 engine's top-1 agreement with fp32 went from 98.73% to 99.41% with fp32 logits. On the GPU
+    cuBLAS writes its fp32 accumulator directly (no widened weight; the extra cost is the wider output, 64 x 248k x 2
+    bytes at batch 64). The reference widens `chunk_rows` weight rows at a time, so it never holds an fp32 copy of the
+    whole matrix."""
     from . import fast_path
 
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
