@@ -115,12 +115,15 @@ class Sampler:
         raw_logits = logits
         if any(_adjusts_logits(r.params) for r in requests):
             logits = apply_penalties(logits.to(torch.float32, copy=True), requests, stop_ids)
-        # widening is exact and order-preserving, so greedy rows take the argmax of the logits as they come
-        tokens = logits.argmax(-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        every_row = len(sampled_rows) == len(requests)
+        # widening is exact and order-preserving, so greedy rows take the argmax of the logits as they come; a batch
+        # without greedy rows skips that vocab-wide pass and samples its logits without gathering rows
+        tokens = None if sampled_rows and every_row else logits.argmax(-1)
         if sampled_rows:
-            rows = to_device(sampled_rows, logits.device)
-            probs = torch.softmax(_filter(logits[rows].float(), [requests[i] for i in sampled_rows]), dim=-1)
+            rows = None if every_row else to_device(sampled_rows, logits.device)
+            picked = logits if every_row else logits[rows]
+            probs = torch.softmax(_filter(picked.float(), [requests[i] for i in sampled_rows]), dim=-1)
             q = torch.empty_like(probs)
             # unseeded rows share the engine's generator: one launch for all of them, not one per row (64 launches
             # per step at batch 64); seeded rows draw from their own generator so their tokens ignore the batch
@@ -133,7 +136,11 @@ class Sampler:
             for j, i in enumerate(sampled_rows):
                 if requests[i].params.seed is not None:
                     q[j].exponential_(generator=self.generator_for(requests[i]))
-            tokens[rows] = (probs / q).argmax(-1)
+            drawn = probs.div_(q).argmax(-1)
+            if every_row:
+                tokens = drawn
+            else:
+                tokens[rows] = drawn
         ks = [r.params.logprobs for r in requests]
         if all(k is None for k in ks):  # nobody reads logprobs or ranks: skip the vocab-wide passes
             return SampledBatch(tokens, None, None, None, ks).start_copy()
