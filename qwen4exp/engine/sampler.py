@@ -116,11 +116,12 @@ class Sampler:
         if any(_adjusts_logits(r.params) for r in requests):
             logits = apply_penalties(logits.to(torch.float32, copy=True), requests, stop_ids)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        every_row = len(sampled_rows) == len(requests)
-        # widening is exact and order-preserving, so greedy rows take the argmax of the logits as they come; a batch
-        # without greedy rows skips that vocab-wide pass and samples its logits without gathering rows
-        tokens = None if sampled_rows and every_row else logits.argmax(-1)
-        if sampled_rows:
+        # widening is exact and order-preserving, so greedy rows take the argmax of the logits as they come
+        if not sampled_rows:
+            tokens = logits.argmax(-1)
+        else:
+            # a batch without greedy rows needs neither that vocab-wide argmax nor a gather of its rows
+            every_row = len(sampled_rows) == len(requests)
             rows = None if every_row else to_device(sampled_rows, logits.device)
             picked = logits if every_row else logits[rows]
             probs = torch.softmax(_filter(picked.float(), [requests[i] for i in sampled_rows]), dim=-1)
@@ -140,6 +141,7 @@ class Sampler:
             if every_row:
                 tokens = drawn
             else:
+                tokens = logits.argmax(-1)
                 tokens[rows] = drawn
         ks = [r.params.logprobs for r in requests]
         if all(k is None for k in ks):  # nobody reads logprobs or ranks: skip the vocab-wide passes
