@@ -60,6 +60,11 @@
             head_dim 256, page 16): `sparse_paged_attention` (the current path) against the flash-style
             `prefill_paged_attention` at its defaults and a tile sweep, 8 x 1024 and 1 x 8192 new tokens and
             4 x 1024 after 3072 cached; run it before setting ops.attention.PREFILL_KERNEL_MIN_TOKENS.
+  partials (not in the default parts): the split-K projections at 64 tokens (F.linear: cuBLAS's GEMM and reduce)
+            against cuBLAS batched GEMMs of S K-slices with fp32 partial outputs, alone and with a compiled sum.
+  hc_partials (not in the default parts): the hyper-connection mix after its norm at 2-512 tokens, with the down
+            projection as cuBLAS's GEMM (`hc_mix_normed`) against S fp32 partial products summed in the activation
+            kernel (`down_partials` + `hc_mix_partials`).
   lm_head (not in the default parts): the logits GEMM [248320, 2560] at 1 and 64 tokens with bf16 output (before
             ad7f1ac) against `fp32_out_linear` (cuBLAS writing its fp32 accumulator), plus the greedy argmax of each.
 
@@ -643,6 +648,109 @@ def bench_gemm_layouts(results, shapes=LAYOUT_SHAPES, token_counts=(64, 8192), d
     results["gemm_layouts"] = rows
 
 
+PARTIAL_SHAPES = (("hc_down", 328, 10240, 96), ("out_proj", 2560, 6144, 48), ("gdn_in_proj", 16480, 2560, 36),
+                  ("attn_qkv_index", 13952, 2560, 12), ("moe_router_shared", 1416, 2560, 48))
+
+
+def kernel_names(fn) -> list[str]:
+    """The CUDA kernels one eager call of `fn` launches, in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def bench_partials(results, shapes=PARTIAL_SHAPES, tokens=64, splits=(1, 2, 4, 8, 16), dev="cuda"):
+    """F.linear at 64 tokens (cuBLAS's choice: a split-K GEMM and its reduce kernel at some shapes) against the
+    product as S partial sums over K slices, one cuBLAS batched GEMM with fp32 outputs [S, T, N], the reduce left to
+    the consumer (which already is an elementwise kernel after every split-K projection of the decode step). Timed
+    alone and with a compiled sum to bf16 after it (an upper bound on what the consumer pays)."""
+    dt = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    summed = torch.compile(lambda p: p.sum(0).to(torch.bfloat16))
+    for name, n, k, calls in shapes:
+        weights = weight_copies(n, k, calls, g, dt, dev)
+        copies = len(weights)
+        x = torch.randn(tokens, k, device=dev, generator=g).to(dt)
+        ref = (x.float() @ weights[0].float().t())
+        row = dict(name=name, n=n, k=k, calls=calls, tokens=tokens)
+
+        def partials(i, s):
+            w = weights[i]
+            return torch.bmm(x.view(tokens, s, k // s).transpose(0, 1), w.view(n, s, k // s).permute(1, 2, 0),
+                             out_dtype=torch.float32)
+
+        variants = {"linear": lambda i: torch.nn.functional.linear(x, weights[i])}
+        for s in splits:
+            if k % s == 0:
+                variants[f"partials{s}"] = lambda i, s=s: partials(i, s)
+                variants[f"partials{s}_sum"] = lambda i, s=s: summed(partials(i, s))
+        for label, fn in variants.items():
+            state = {"i": 0}
+
+            def call(fn=fn):
+                fn(state["i"] % copies)
+                state["i"] += 1
+            row[label + "_us"] = per_call_us(call, calls=max(calls, 4))
+            out = fn(0)
+            out = out.sum(0) if out.dim() == 3 else out
+            row[label + "_max_diff"] = (out.float() - ref).abs().max().item()
+            row[label + "_kernels"] = kernel_names(lambda: fn(0))
+            print(f"partials {name} [{n}, {k}] T={tokens} {label}: {row[label + '_us']:7.2f} us "
+                  f"({n * k * 2 / row[label + '_us'] / 1e3:5.0f} GB/s), max diff {row[label + '_max_diff']:.2e}, "
+                  f"kernels {row[label + '_kernels']}", flush=True)
+        rows.append(row)
+        weights.clear()
+        torch.cuda.empty_cache()
+    results["partials"] = rows
+
+
+def bench_hc_partials(results, token_counts=(2, 8, 16, 32, 64, 128, 256), splits=(8, 16, 32), copies=24):
+    """The hyper-connection mix after its norm as the model runs it at 2-512 tokens: `hc_mix_normed` (cuBLAS's
+    down GEMM, split-K with its reduce kernel at decode sizes) against `down_partials` (a batched GEMM of S fp32
+    partial products) + `hc_mix_partials` (their sum in the activation kernel), alternating, two rounds; `copies`
+    weight sets so that no call finds its weights in L2. us per call, max |diff| of both outputs."""
+    from qwen4exp.ops.hyper_connection import down_partials, hc_mix_normed, hc_mix_partials
+
+    hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    sets = [((torch.randn(rank + hc + 4, hc * hidden, device=dev, generator=g) / (hc * hidden) ** 0.5).to(dt),
+             (torch.randn(hc * hidden, rank, device=dev, generator=g) / rank**0.5).to(dt)) for _ in range(copies)]
+    rows = []
+    for tokens in token_counts:
+        normed = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
+        variants = {"normed": lambda w_di, w_up: hc_mix_normed(normed, w_di, w_up, hc, rank, True)}
+        for s in splits:
+            variants[f"partials{s}"] = lambda w_di, w_up, s=s: hc_mix_partials(
+                normed, down_partials(normed, w_di, s), w_up, hc, rank, True)
+        variants["partials16_bmm_only"] = lambda w_di, w_up: down_partials(normed, w_di, 16)[:, 0, :1]
+        row = {"tokens": tokens}
+        ref = variants["normed"](*sets[0])
+        for label, fn in variants.items():
+            out = fn(*sets[0])
+            row[label + "_max_diff"] = max((a.float() - b.float()).abs().max().item()
+                                           for a, b in zip(out, ref)) if isinstance(out, tuple) else float("nan")
+            row[label + "_us"] = []
+        for _ in range(2):
+            for label, fn in variants.items():
+                state = {"i": 0}
+
+                def call(fn=fn):
+                    fn(*sets[state["i"] % copies])
+                    state["i"] += 1
+                row[label + "_us"].append(per_call_us(call, calls=96 if tokens <= 128 else 16))
+        rows.append(row)
+        print(f"hc_partials T={tokens}: " + ", ".join(
+            f"{label} {min(row[label + '_us']):.2f} us (diff {row[label + '_max_diff']:.2g})" for label in variants),
+            flush=True)
+    results["hc_partials"] = rows
+
+
 def bench_autotune_linear(results, shapes=LAYOUT_SHAPES, token_counts=(64,), dev="cuda"):
     """F.linear (cuBLAS's heuristic choice) against inductor's max-autotune of the same GEMM (its Triton templates,
     split-K decompositions and cuBLAS, benchmarked at compile time for this exact shape) at the decode projections,
@@ -1159,7 +1267,7 @@ def main():
              "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,
              "hc_autotune": bench_hc_autotune,
-             "pdl": bench_pdl, "read_bw": bench_read_bw,
+             "pdl": bench_pdl, "partials": bench_partials, "hc_partials": bench_hc_partials, "read_bw": bench_read_bw,
              "gemm_layouts64": lambda r: bench_gemm_layouts(r, token_counts=(64,)),
              "moe_tiles128": lambda r: bench_moe_tiles(r, tokens=128, check_tokens=(72, 128, 200))}
     for part in a.parts.split(","):

@@ -14,7 +14,8 @@ def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank:
     returns (streams, block input [T, H], injection weights [T, hc] or None without `inject`).
 
     GPU dispatch: a single token takes two Triton launches (batch-1 decode); more tokens one Triton pass for the
-    combine and the norm (`triton_hc.hc_prenorm`) and inductor's fusion of the rest."""
+    combine and the norm (`triton_hc.hc_prenorm`) and inductor's fusion of the rest, with the down projection as
+    fp32 partial products up to PARTIALS_MAX_TOKENS tokens (`down_partials`)."""
     from . import fast_path
 
     if fast_path(streams):
@@ -26,6 +27,9 @@ def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank:
             return (streams, *hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject))
         if prenorm_supported(streams, hc):
             streams, normed = hc_prenorm(streams, norm_weight, eps, hc, block_out, block_inject)
+            if streams.shape[0] <= PARTIALS_MAX_TOKENS and normed.shape[1] % DOWN_SPLITS == 0:
+                partials = down_partials(normed, w_down_inject, DOWN_SPLITS)
+                return (streams, *hc_mix_partials(normed, partials, w_up, hc, rank, inject))
             return (streams, *hc_mix_normed(normed, w_down_inject, w_up, hc, rank, inject))
     if block_out is not None:
         streams = hc_combine(streams, block_out, block_inject)
@@ -48,8 +52,43 @@ def hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, r
 @compiled_on_gpu
 def hc_mix_normed(normed, w_down_inject, w_up, hc: int, rank: int, inject: bool):
     """`hc_mix_ref` after the norm: normed [T, hc*H] (the per-stream RMSNorm of the streams, in their dtype)."""
+    return _mix_scaled(normed, F.linear(normed, w_down_inject) / hc, w_up, hc, rank, inject)
+
+
+# Token counts up to which the GPU takes the mix's down projection as DOWN_SPLITS partial products (`down_partials`).
+# H200, `bench/decode_kernels.py --parts hc_partials`, us a mix: 2 tokens 12.8 -> 11.0, 64: 14.1 -> 12.4, 128: 15.8
+# -> 14.5, 256: 20.8 -> 19.6 (docs/benchmarks.md, twenty-seventh session).
+PARTIALS_MAX_TOKENS = 128
+DOWN_SPLITS = 16
+
+
+def down_partials(normed, w_down_inject, splits: int):
+    """normed @ w_down_inject.T as `splits` fp32 partial products over slices of K, [T, splits, N] (a view of
+    [splits, T, N]), from one cuBLAS batched GEMM. At decode sizes cuBLAS runs the plain product as a split-K GEMM
+    and a reduce kernel of its own; the sum of the partials happens instead in the kernel that activates them."""
+    tokens, k = normed.shape
+    n = w_down_inject.shape[0]
+    a = normed.view(tokens, splits, k // splits).transpose(0, 1)
+    b = w_down_inject.view(n, splits, k // splits).permute(1, 2, 0)
+    if not a.is_cuda:  # no bf16 -> fp32 batched GEMM on the CPU
+        return torch.bmm(a.float(), b.float()).transpose(0, 1)
+    return torch.bmm(a, b, out_dtype=torch.float32).transpose(0, 1)
+
+
+@compiled_on_gpu
+def hc_mix_partials(normed, partials, w_up, hc: int, rank: int, inject: bool):
+    """`hc_mix_normed` with the down projection given as fp32 partial products [T, S, N] (`down_partials`): their sum
+    is rounded to the model dtype, as the GEMM's output is."""
+    # summed as a chain of adds: inductor's reduction over the strided middle dim took ~10 us at 64 tokens
+    down = partials[:, 0]
+    for i in range(1, partials.shape[1]):
+        down = down + partials[:, i]
+    return _mix_scaled(normed, down.to(normed.dtype) / hc, w_up, hc, rank, inject)
+
+
+def _mix_scaled(normed, scaled, w_up, hc: int, rank: int, inject: bool):
+    """The mix from the down projection's output over hc: scaled [T, N] (N >= rank + hc when injecting)."""
     hidden = normed.shape[-1] // hc
-    scaled = F.linear(normed, w_down_inject) / hc
     # silu for the rank columns, 2 sigmoid for the inject columns: one elementwise pass (inductor made two kernels of
     # the two slices, each a launch per mix at decode); the extra columns' values are computed and not read
     columns = torch.arange(scaled.shape[-1], device=scaled.device)

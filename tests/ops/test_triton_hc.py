@@ -148,3 +148,31 @@ def test_mix_activates_rank_and_inject_columns_like_separate_slices(dtype, injec
         assert same(inj, 2 * torch.sigmoid(down[:, rank: rank + hc] / hc))
     else:
         assert inj is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inject", [True, False])
+def test_mix_from_down_partials_equals_the_mix_from_the_down_gemm(dtype, inject):
+    """The decode-size GPU mix takes the down projection as fp32 partial products over 16 K slices
+    (`down_partials`) and sums them in its activation kernel; the result is the mix of the plain GEMM (fp32: to
+    summation order; bf16: the projection rounded once either way, so at most one ulp of it apart)."""
+    from qwen4exp.ops.hyper_connection import down_partials, hc_mix_normed, hc_mix_partials
+
+    hc, hidden, rank, tokens, splits = 4, 64, 24, 6, 16
+    g = torch.Generator().manual_seed(5)
+    normed = torch.randn(tokens, hc * hidden, generator=g).to(dtype)
+    w_di = (torch.randn(rank + hc + 4, hc * hidden, generator=g) / (hc * hidden) ** 0.5 * 8).to(dtype)
+    w_up = (torch.randn(hc * hidden, rank, generator=g) / rank**0.5).to(dtype)
+
+    partials = down_partials(normed, w_di, splits)
+    assert partials.shape == (tokens, splits, w_di.shape[0]) and partials.dtype == torch.float32
+    torch.testing.assert_close(partials.sum(1), normed.double() @ w_di.double().t(), rtol=1e-5, atol=1e-5,
+                               check_dtype=False)
+    got = hc_mix_partials.eager(normed, partials, w_up, hc, rank, inject)
+    want = hc_mix_normed.eager(normed, w_di, w_up, hc, rank, inject)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -9)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    if inject:
+        torch.testing.assert_close(got[1], want[1], **tol)
+    else:
+        assert got[1] is None
