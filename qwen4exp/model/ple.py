@@ -144,11 +144,7 @@ class PLELayer(nn.Module):
     ) -> torch.Tensor:
         """emb: this layer's n-gram rows [T, ple_embed_dim] in the streams' dtype (NGramPrefetch)."""
         key, value = ops.linear.merged_linear(emb, [self.key_proj.weight, self.value_proj.weight])
-        key = self.norm_key(key).unflatten(-1, (self.hc_count, self.hidden_size))
-        query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden_size))
-        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden_size)
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(1)  # [T, hc*H]
+        gated = ops.ngram.ple_gate(self.norm_query(streams), self.norm_key(key), value, self.hidden_size)
         conv = ops.conv.causal_conv1d(self.norm_conv(gated), self.conv1d.weight[:, 0, :], conv_state, meta,
                                       dilation=self.dilation)
         return gated + conv

@@ -1,6 +1,21 @@
-"""Hashed n-gram ids for PLE: EOS-aware shifted tokens, then multiply-xor hashing into prime-sized head tables."""
+"""PLE ops: hashed n-gram ids (EOS-aware shifted tokens, then multiply-xor hashing into prime-sized head tables),
+and the gate of the normalised streams on the n-gram value."""
+
+import math
 
 import torch
+
+from . import compiled_on_gpu
+
+
+@compiled_on_gpu
+def ple_gate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden: int) -> torch.Tensor:
+    """Each stream's signed-sqrt gate on the shared value: query, key [T, hc*H] (the normalised streams and keys),
+    value [T, H] -> [T, hc*H]. Compiled on the GPU: eagerly it is ten elementwise launches over [T, hc, H]."""
+    query = query.unflatten(-1, (-1, hidden))
+    gate = (key.unflatten(-1, (-1, hidden)) * query).sum(-1, keepdim=True) / math.sqrt(hidden)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    return (torch.sigmoid(gate) * value[:, None, :]).flatten(1)
 
 
 def shifted_tokens_ref(
