@@ -474,6 +474,12 @@ def bench_hc_batch(results):
     results["hc_batch"] = rows
 
 
+def hc_weight_sets(copies, g, hc, hidden, rank, dt, dev):
+    """`copies` (W_down_inject [rank + hc + 4 padding rows, hc*H], W_up [hc*H, rank]) pairs of a mix's weights."""
+    return [((torch.randn(rank + hc + 4, hc * hidden, device=dev, generator=g) / (hc * hidden) ** 0.5).to(dt),
+             (torch.randn(hc * hidden, rank, device=dev, generator=g) / rank**0.5).to(dt)) for _ in range(copies)]
+
+
 def bench_hc_autotune(results, token_counts=(64,), copies=24):
     """The hyper-connection mix after its norm (`hc_mix_normed`: down GEMM, activations, up GEMM, gate and stream
     mean) compiled as the model compiles it (cuBLAS GEMMs, inductor's elementwise kernels) against inductor's
@@ -483,8 +489,7 @@ def bench_hc_autotune(results, token_counts=(64,), copies=24):
 
     hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    sets = [((torch.randn(rank + hc + 4, hc * hidden, device=dev, generator=g) / (hc * hidden) ** 0.5).to(dt),
-             (torch.randn(hc * hidden, rank, device=dev, generator=g) / rank**0.5).to(dt)) for _ in range(copies)]
+    sets = hc_weight_sets(copies, g, hc, hidden, rank, dt, dev)
     rows = []
     for tokens in token_counts:
         normed = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
@@ -719,8 +724,7 @@ def bench_hc_partials(results, token_counts=(2, 8, 16, 32, 64, 128, 256), splits
 
     hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    sets = [((torch.randn(rank + hc + 4, hc * hidden, device=dev, generator=g) / (hc * hidden) ** 0.5).to(dt),
-             (torch.randn(hc * hidden, rank, device=dev, generator=g) / rank**0.5).to(dt)) for _ in range(copies)]
+    sets = hc_weight_sets(copies, g, hc, hidden, rank, dt, dev)
     rows = []
     for tokens in token_counts:
         normed = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
