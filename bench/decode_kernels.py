@@ -62,7 +62,7 @@
             4 x 1024 after 3072 cached; run it before setting ops.attention.PREFILL_KERNEL_MIN_TOKENS.
   partials (not in the default parts): the split-K projections at 64 tokens (F.linear: cuBLAS's GEMM and reduce)
             against cuBLAS batched GEMMs of S K-slices with fp32 partial outputs, alone and with a compiled sum.
-  hc_partials (not in the default parts): the hyper-connection mix after its norm at 2-512 tokens, with the down
+  hc_partials (not in the default parts): the hyper-connection mix after its norm at 2-256 tokens, with the down
             projection as cuBLAS's GEMM (`hc_mix_normed`) against S fp32 partial products summed in the activation
             kernel (`down_partials` + `hc_mix_partials`).
   lm_head (not in the default parts): the logits GEMM [248320, 2560] at 1 and 64 tokens with bf16 output (before
@@ -716,7 +716,7 @@ def bench_partials(results, shapes=PARTIAL_SHAPES, tokens=64, splits=(1, 2, 4, 8
 
 
 def bench_hc_partials(results, token_counts=(2, 8, 16, 32, 64, 128, 256), splits=(8, 16, 32), copies=24):
-    """The hyper-connection mix after its norm as the model runs it at 2-512 tokens: `hc_mix_normed` (cuBLAS's
+    """The hyper-connection mix after its norm as the model runs it at 2-256 tokens: `hc_mix_normed` (cuBLAS's
     down GEMM, split-K with its reduce kernel at decode sizes) against `down_partials` (a batched GEMM of S fp32
     partial products) + `hc_mix_partials` (their sum in the activation kernel), alternating, two rounds; `copies`
     weight sets so that no call finds its weights in L2. us per call, max |diff| of both outputs."""
