@@ -64,7 +64,9 @@
             against cuBLAS batched GEMMs of S K-slices with fp32 partial outputs, alone and with a compiled sum.
   hc_partials (not in the default parts): the hyper-connection mix after its norm at 2-256 tokens, with the down
             projection as cuBLAS's GEMM (`hc_mix_normed`) against S fp32 partial products summed in the activation
-            kernel (`down_partials` + `hc_mix_partials`).
+            kernel (`ops.linear.partial_products` + `hc_mix_partials`).
+  output_partials (not in the default parts): out_proj / o_proj then the next mix's combine + norm pass at 2-128
+            tokens: cuBLAS's GEMM against 2, 4 or 8 fp32 partial products summed in the combine.
   lm_head (not in the default parts): the logits GEMM [248320, 2560] at 1 and 64 tokens with bf16 output (before
             ad7f1ac) against `fp32_out_linear` (cuBLAS writing its fp32 accumulator), plus the greedy argmax of each.
 
@@ -717,10 +719,11 @@ def bench_partials(results, shapes=PARTIAL_SHAPES, tokens=64, splits=(1, 2, 4, 8
 
 def bench_hc_partials(results, token_counts=(2, 8, 16, 32, 64, 128, 256), splits=(8, 16, 32), copies=24):
     """The hyper-connection mix after its norm as the model runs it at 2-256 tokens: `hc_mix_normed` (cuBLAS's
-    down GEMM, split-K with its reduce kernel at decode sizes) against `down_partials` (a batched GEMM of S fp32
-    partial products) + `hc_mix_partials` (their sum in the activation kernel), alternating, two rounds; `copies`
-    weight sets so that no call finds its weights in L2. us per call, max |diff| of both outputs."""
-    from qwen4exp.ops.hyper_connection import down_partials, hc_mix_normed, hc_mix_partials
+    down GEMM, split-K with its reduce kernel at decode sizes) against `ops.linear.partial_products` (a batched GEMM
+    of S fp32 partial products) + `hc_mix_partials` (their sum in the activation kernel), alternating, two rounds;
+    `copies` weight sets so that no call finds its weights in L2. us per call, max |diff| of both outputs."""
+    from qwen4exp.ops.hyper_connection import hc_mix_normed, hc_mix_partials
+    from qwen4exp.ops.linear import partial_products
 
     hc, hidden, rank, dev, dt = 4, 2560, 320, "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -731,8 +734,8 @@ def bench_hc_partials(results, token_counts=(2, 8, 16, 32, 64, 128, 256), splits
         variants = {"normed": lambda w_di, w_up: hc_mix_normed(normed, w_di, w_up, hc, rank, True)}
         for s in splits:
             variants[f"partials{s}"] = lambda w_di, w_up, s=s: hc_mix_partials(
-                normed, down_partials(normed, w_di, s), w_up, hc, rank, True)
-        variants["partials16_bmm_only"] = lambda w_di, w_up: down_partials(normed, w_di, 16)[:, 0, :1]
+                normed, partial_products(normed, w_di, s), w_up, hc, rank, True)
+        variants["partials16_bmm_only"] = lambda w_di, w_up: partial_products(normed, w_di, 16)[:, 0, :1]
         row = {"tokens": tokens}
         ref = variants["normed"](*sets[0])
         for label, fn in variants.items():
@@ -753,6 +756,49 @@ def bench_hc_partials(results, token_counts=(2, 8, 16, 32, 64, 128, 256), splits
             f"{label} {min(row[label + '_us']):.2f} us (diff {row[label + '_max_diff']:.2g})" for label in variants),
             flush=True)
     results["hc_partials"] = rows
+
+
+def bench_output_partials(results, token_counts=(2, 8, 64, 128), splits=(2, 4, 8), copies=48):
+    """A block's output projection (out_proj / o_proj [2560, 6144], 48 a step) and the next mix's combine + norm pass
+    (`triton_hc.hc_prenorm`) at 2-128 tokens: F.linear (cuBLAS: a split-K GEMM and its reduce kernel) then the
+    combine of its bf16 output, against `ops.linear.partial_products` (S fp32 partials from one batched GEMM) then
+    the combine summing them (read once per stream: 4 times a token). Alternating, two rounds; each call reads its
+    own weight copy, out of L2. us per pair of calls, max |diff| of the normed streams."""
+    from qwen4exp.ops.linear import partial_products
+    from qwen4exp.ops.triton_hc import hc_prenorm
+
+    hc, hidden, k, dev, dt = 4, 2560, 6144, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    weights = weight_copies(hidden, k, copies, g, dt, dev)
+    norm_w = (torch.randn(hc * hidden, device=dev, generator=g) * 0.1).to(dt)
+    rows = []
+    for tokens in token_counts:
+        x = torch.randn(tokens, k, device=dev, generator=g).to(dt)
+        streams = torch.randn(tokens, hc * hidden, device=dev, generator=g).to(dt)
+        inject = (torch.rand(tokens, hc, device=dev, generator=g) * 2).to(dt)
+        variants = {"linear": lambda w: hc_prenorm(streams, norm_w, 1e-6, hc, torch.nn.functional.linear(x, w),
+                                                   inject)}
+        for s in splits:
+            variants[f"partials{s}"] = lambda w, s=s: hc_prenorm(streams, norm_w, 1e-6, hc,
+                                                                 partial_products(x, w, s), inject)
+        row = {"tokens": tokens}
+        ref = variants["linear"](weights[0])[1].float()
+        for label, fn in variants.items():
+            row[label + "_max_diff"] = (fn(weights[0])[1].float() - ref).abs().max().item()
+            row[label + "_us"] = []
+        for _ in range(2):
+            for label, fn in variants.items():
+                state = {"i": 0}
+
+                def call(fn=fn):
+                    fn(weights[state["i"] % len(weights)])
+                    state["i"] += 1
+                row[label + "_us"].append(per_call_us(call, calls=48))
+        rows.append(row)
+        print(f"output_partials T={tokens}: " + ", ".join(
+            f"{label} {min(row[label + '_us']):.2f} us (diff {row[label + '_max_diff']:.2g})" for label in variants),
+            flush=True)
+    results["output_partials"] = rows
 
 
 def bench_autotune_linear(results, shapes=LAYOUT_SHAPES, token_counts=(64,), dev="cuda"):
@@ -1271,7 +1317,8 @@ def main():
              "grouped_sort": bench_grouped_sort,
              "autotune_linear": bench_autotune_linear,
              "hc_autotune": bench_hc_autotune,
-             "pdl": bench_pdl, "partials": bench_partials, "hc_partials": bench_hc_partials, "read_bw": bench_read_bw,
+             "pdl": bench_pdl, "partials": bench_partials, "hc_partials": bench_hc_partials,
+             "output_partials": bench_output_partials, "read_bw": bench_read_bw,
              "gemm_layouts64": lambda r: bench_gemm_layouts(r, token_counts=(64,)),
              "moe_tiles128": lambda r: bench_moe_tiles(r, tokens=128, check_tokens=(72, 128, 200))}
     for part in a.parts.split(","):

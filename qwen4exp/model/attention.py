@@ -77,4 +77,4 @@ class Attention(nn.Module):
         out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
         # gate as the [T, heads, D] view it is: reshaping it to [T, heads*D] first would copy it (100 MB at 8k tokens)
         out = ops.attention.gate_output(out.reshape(T, self.num_heads, self.head_dim), gate).reshape(T, -1)
-        return ops.linear.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return ops.linear.output_linear(out, self.o_proj.weight, self.o_proj.bias)

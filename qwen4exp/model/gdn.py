@@ -41,4 +41,4 @@ class GatedDeltaNet(nn.Module):
         )
         # [T, Hv, Dv] views: flattening z's heads into rows would copy it (its rows are strided) when T > 1
         core = self.norm(core, z.reshape(T, -1, self.head_v_dim)).reshape(T, -1)
-        return ops.linear.linear(core, self.out_proj.weight)
+        return ops.linear.output_linear(core, self.out_proj.weight)

@@ -43,6 +43,8 @@ class DecoderLayer(nn.Module):
         else:
             y = self.self_attn(x, cos, sin, meta, cache, block_rope)
 
+        # y is the block output or, at decode sizes on the GPU, fp32 partial products of it (ops.linear.output_linear)
+        # that the mix's combine sums
         streams, x, inject = self.mlp_hyper_connection(streams, y, inject)
         return streams, (self.mlp(x), inject)
 

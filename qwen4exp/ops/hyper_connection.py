@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from . import compiled_on_gpu
+from .linear import PARTIALS_MAX_TOKENS, partial_products
 from .norm import rms_norm
 
 
@@ -15,23 +16,28 @@ def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank:
 
     GPU dispatch: a single token takes two Triton launches (batch-1 decode); more tokens one Triton pass for the
     combine and the norm (`triton_hc.hc_prenorm`) and inductor's fusion of the rest, with the down projection as
-    fp32 partial products up to PARTIALS_MAX_TOKENS tokens (`down_partials`)."""
+    fp32 partial products up to PARTIALS_MAX_TOKENS tokens.
+
+    block_out is [T, H], or fp32 partial products of it [T, P, H] (`ops.linear.output_linear`), summed and rounded
+    to the streams' dtype as the projection's output would be."""
     from . import fast_path
 
     if fast_path(streams):
         from .triton_hc import hc_mix_decode, hc_prenorm, prenorm_supported, supported
 
-        if supported(streams, hc):
+        if supported(streams, hc) and (block_out is None or block_out.dim() == 2):
             if block_out is not None:
                 streams = hc_combine(streams, block_out, block_inject)
             return (streams, *hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject))
         if prenorm_supported(streams, hc):
             streams, normed = hc_prenorm(streams, norm_weight, eps, hc, block_out, block_inject)
             if streams.shape[0] <= PARTIALS_MAX_TOKENS and normed.shape[1] % DOWN_SPLITS == 0:
-                partials = down_partials(normed, w_down_inject, DOWN_SPLITS)
+                partials = partial_products(normed, w_down_inject, DOWN_SPLITS)
                 return (streams, *hc_mix_partials(normed, partials, w_up, hc, rank, inject))
             return (streams, *hc_mix_normed(normed, w_down_inject, w_up, hc, rank, inject))
     if block_out is not None:
+        if block_out.dim() == 3:
+            block_out = block_out.sum(1).to(streams.dtype)
         streams = hc_combine(streams, block_out, block_inject)
     return (streams, *hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject))
 
@@ -55,30 +61,14 @@ def hc_mix_normed(normed, w_down_inject, w_up, hc: int, rank: int, inject: bool)
     return _mix_scaled(normed, F.linear(normed, w_down_inject) / hc, w_up, hc, rank, inject)
 
 
-# Token counts up to which the GPU takes the mix's down projection as DOWN_SPLITS partial products (`down_partials`).
-# H200, `bench/decode_kernels.py --parts hc_partials`, us a mix: 2 tokens 12.8 -> 11.0, 64: 14.1 -> 12.4, 128: 15.8
-# -> 14.5, 256: 20.8 -> 19.6 (docs/benchmarks.md, twenty-seventh session).
-PARTIALS_MAX_TOKENS = 128
+# the mix's down projection as partial products (`ops.linear.partial_products`) up to PARTIALS_MAX_TOKENS tokens
 DOWN_SPLITS = 16
-
-
-def down_partials(normed, w_down_inject, splits: int):
-    """normed @ w_down_inject.T as `splits` fp32 partial products over slices of K, [T, splits, N] (a view of
-    [splits, T, N]), from one cuBLAS batched GEMM. At decode sizes cuBLAS runs the plain product as a split-K GEMM
-    and a reduce kernel of its own; the sum of the partials happens instead in the kernel that activates them."""
-    tokens, k = normed.shape
-    n = w_down_inject.shape[0]
-    a = normed.view(tokens, splits, k // splits).transpose(0, 1)
-    b = w_down_inject.view(n, splits, k // splits).permute(1, 2, 0)
-    if not a.is_cuda:  # no bf16 -> fp32 batched GEMM on the CPU
-        return torch.bmm(a.float(), b.float()).transpose(0, 1)
-    return torch.bmm(a, b, out_dtype=torch.float32).transpose(0, 1)
 
 
 @compiled_on_gpu
 def hc_mix_partials(normed, partials, w_up, hc: int, rank: int, inject: bool):
-    """`hc_mix_normed` with the down projection given as fp32 partial products [T, S, N] (`down_partials`): their sum
-    is rounded to the model dtype, as the GEMM's output is."""
+    """`hc_mix_normed` with the down projection given as fp32 partial products [T, S, N]
+    (`ops.linear.partial_products`): their sum is rounded to the model dtype, as the GEMM's output is."""
     # summed as a chain of adds: inductor's reduction over the strided middle dim took ~10 us at 64 tokens
     down = partials[:, 0]
     for i in range(1, partials.shape[1]):

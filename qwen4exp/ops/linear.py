@@ -10,6 +10,10 @@ shared gate and shared expert) is not 16-byte aligned, and cuBLAS then falls bac
 `linear` is F.linear, except for one token on the GPU (decode), where cuBLAS runs these widths well below HBM
 bandwidth: there it is one Triton GEMV launch (ops/triton_linear.py).
 
+`output_linear` is `linear` for the blocks' output projections (GDN out_proj, attention o_proj), whose only reader
+is the next hyper-connection mix: at 2 to PARTIALS_MAX_TOKENS tokens on the GPU it returns fp32 partial products
+(`partial_products`) that the mix's combine sums, in place of cuBLAS's split-K GEMM and its reduce kernel.
+
 `fp32_out_linear` (the lm_head) keeps the GEMM's fp32 accumulator instead of rounding it to the operands' dtype.
 """
 
@@ -53,6 +57,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if supported(x, weight):
             return gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+# Token counts up to which the GPU takes a decode-size projection whose consumer can sum them as partial products
+# (the mix's down projection, the blocks' output projections). H200, `bench/decode_kernels.py --parts hc_partials`,
+# us a mix: 2 tokens 12.8 -> 11.0, 64: 14.1 -> 12.4, 128: 15.8 -> 14.5, 256: 20.8 -> 19.6 (docs/benchmarks.md,
+# twenty-seventh session).
+PARTIALS_MAX_TOKENS = 128
+# partial products of the blocks' output projections; see `output_linear`
+OUTPUT_SPLITS = 2
+
+
+def partial_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ weight.T as `splits` fp32 partial products over slices of K, [T, splits, N] (a view of [splits, T, N]),
+    from one cuBLAS batched GEMM. At decode sizes cuBLAS runs the plain product as a split-K GEMM and a reduce
+    kernel of its own; the sum of the partials happens instead in the kernel that reads them."""
+    tokens, k = x.shape
+    n = weight.shape[0]
+    a = x.view(tokens, splits, k // splits).transpose(0, 1)
+    b = weight.view(n, splits, k // splits).permute(1, 2, 0)
+    if not a.is_cuda:  # no bf16 -> fp32 batched GEMM on the CPU
+        return torch.bmm(a.float(), b.float()).transpose(0, 1)
+    return torch.bmm(a, b, out_dtype=torch.float32).transpose(0, 1)
+
+
+def output_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` for a block's output projection, read only by the next hyper-connection mix's combine
+    (`ops.hyper_connection.hc_mix`, which takes either form): [T, N] in x's dtype, or on the GPU at 2 to
+    PARTIALS_MAX_TOKENS tokens the product as OUTPUT_SPLITS fp32 partial products [T, OUTPUT_SPLITS, N]."""
+    from . import fast_path
+
+    if (bias is None and fast_path(x) and 1 < x.shape[0] <= PARTIALS_MAX_TOKENS and x.is_contiguous()
+            and x.shape[1] % OUTPUT_SPLITS == 0):
+        return partial_products(x, weight, OUTPUT_SPLITS)
+    return linear(x, weight, bias)
 
 
 def fp32_out_linear(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 32768) -> torch.Tensor:

@@ -136,8 +136,9 @@ def _hc_up_mix_kernel(
 def _hc_prenorm_kernel(
     s_ptr, o_ptr, inj_ptr, nw_ptr, new_ptr, normed_ptr,
     H, eps,
-    stride_s, stride_o, stride_i, stride_new, stride_n,
-    COMBINE: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
+    stride_s, stride_o, stride_op, stride_i, stride_new, stride_n,
+    COMBINE: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr, S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     # one flat grid, a token's S streams adjacent: programs that run side by side read a token's row whole (with a
@@ -150,7 +151,13 @@ def _hc_prenorm_kernel(
     x = tl.load(s_ptr + t * stride_s + stream * H + h, mask=m, other=0.0).to(tl.float32)
     if COMBINE:
         # as the eager combine rounds: the product to the model dtype, then the sum
-        o = tl.load(o_ptr + t * stride_o + h, mask=m, other=0.0).to(tl.float32)
+        if PARTS:  # fp32 partial products of the block output, summed and rounded as the projection's output
+            o = tl.load(o_ptr + t * stride_o + h, mask=m, other=0.0)
+            for p in tl.static_range(1, PARTS):
+                o += tl.load(o_ptr + p * stride_op + t * stride_o + h, mask=m, other=0.0)
+            o = o.to(dtype, fp_downcast_rounding=ROUND).to(tl.float32)
+        else:
+            o = tl.load(o_ptr + t * stride_o + h, mask=m, other=0.0).to(tl.float32)
         w = tl.load(inj_ptr + t * stride_i + stream).to(tl.float32)
         x = x + (o * w).to(dtype, fp_downcast_rounding=ROUND).to(tl.float32)
         x = x.to(dtype, fp_downcast_rounding=ROUND)
@@ -171,10 +178,14 @@ def prenorm_supported(streams: torch.Tensor, hc: int) -> bool:
 def hc_prenorm(streams, norm_weight, eps: float, hc: int, block_out=None, inject=None):
     """(streams + block_out * inject_s on every stream s when block_out is given, else streams; and that tensor's
     per-stream RMSNorm rms_norm(., norm_weight, eps, group_size=H)), rounded as the eager reference rounds them.
-    streams [T, hc*H]; block_out [T, H]; inject [T, hc]."""
+    streams [T, hc*H]; block_out [T, H], or fp32 partial products of it [T, P, H] (rounded to the streams' dtype
+    after their sum, as the product's GEMM rounds it); inject [T, hc]."""
     T, width = streams.shape
     H = width // hc
     combine = block_out is not None
+    parts = block_out.shape[1] if combine and block_out.dim() == 3 else 0
+    if parts:
+        assert block_out.dtype == torch.float32 and block_out.stride(2) == 1, "partials: fp32, unit stride in H"
     new = torch.empty_like(streams) if combine else streams
     normed = torch.empty_like(streams)
     if T:
@@ -182,9 +193,9 @@ def hc_prenorm(streams, norm_weight, eps: float, hc: int, block_out=None, inject
         _hc_prenorm_kernel[(T * hc,)](
             streams, block_out if combine else streams, inject if combine else streams, norm_weight, new, normed,
             H, eps,
-            streams.stride(0), block_out.stride(0) if combine else 0, inject.stride(0) if combine else 0,
-            new.stride(0), normed.stride(0),
-            COMBINE=combine, BLOCK=block, ROUND="rtne" if streams.dtype != torch.float32 else None,
+            streams.stride(0), block_out.stride(0) if combine else 0, parts and block_out.stride(1),
+            inject.stride(0) if combine else 0, new.stride(0), normed.stride(0),
+            COMBINE=combine, PARTS=parts, BLOCK=block, ROUND="rtne" if streams.dtype != torch.float32 else None,
             S=hc,
             num_warps=max(1, min(8, block // 512)),
             # else the product and the sum become one bf16 FMA (one rounding where the eager combine has two)

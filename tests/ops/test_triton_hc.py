@@ -154,9 +154,10 @@ def test_mix_activates_rank_and_inject_columns_like_separate_slices(dtype, injec
 @pytest.mark.parametrize("inject", [True, False])
 def test_mix_from_down_partials_equals_the_mix_from_the_down_gemm(dtype, inject):
     """The decode-size GPU mix takes the down projection as fp32 partial products over 16 K slices
-    (`down_partials`) and sums them in its activation kernel; the result is the mix of the plain GEMM (fp32: to
-    summation order; bf16: the projection rounded once either way, so at most one ulp of it apart)."""
-    from qwen4exp.ops.hyper_connection import down_partials, hc_mix_normed, hc_mix_partials
+    (`ops.linear.partial_products`) and sums them in its activation kernel; the result is the mix of the plain GEMM
+    (fp32: to summation order; bf16: the projection rounded once either way, so at most one ulp of it apart)."""
+    from qwen4exp.ops.hyper_connection import hc_mix_normed, hc_mix_partials
+    from qwen4exp.ops.linear import partial_products
 
     hc, hidden, rank, tokens, splits = 4, 64, 24, 6, 16
     g = torch.Generator().manual_seed(5)
@@ -164,7 +165,7 @@ def test_mix_from_down_partials_equals_the_mix_from_the_down_gemm(dtype, inject)
     w_di = (torch.randn(rank + hc + 4, hc * hidden, generator=g) / (hc * hidden) ** 0.5 * 8).to(dtype)
     w_up = (torch.randn(hc * hidden, rank, generator=g) / rank**0.5).to(dtype)
 
-    partials = down_partials(normed, w_di, splits)
+    partials = partial_products(normed, w_di, splits)
     assert partials.shape == (tokens, splits, w_di.shape[0]) and partials.dtype == torch.float32
     torch.testing.assert_close(partials.sum(1), normed.double() @ w_di.double().t(), rtol=1e-5, atol=1e-5,
                                check_dtype=False)
@@ -176,3 +177,51 @@ def test_mix_from_down_partials_equals_the_mix_from_the_down_gemm(dtype, inject)
         torch.testing.assert_close(got[1], want[1], **tol)
     else:
         assert got[1] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_prenorm_sums_partial_products_of_the_block_output(dtype, parts):
+    """A block output given as fp32 partial products [T, P, H] (`ops.linear.output_linear` at decode sizes) is
+    summed and rounded to the model dtype before the combine: the pass equals the pass given that rounded sum."""
+    from qwen4exp.ops.linear import partial_products
+
+    hc, hidden, tokens, k = 4, 48, 5, 6 * parts
+    g = torch.Generator().manual_seed(11 + parts)
+    streams = (torch.randn(tokens, hc * hidden, generator=g) * 3).to(dtype)
+    norm_w = (torch.randn(hc * hidden, generator=g) * 0.1).to(dtype)
+    inject = (torch.rand(tokens, hc, generator=g) * 2).to(dtype)
+    x = torch.randn(tokens, k, generator=g).to(dtype)
+    weight = (torch.randn(hidden, k, generator=g) * 4).to(dtype)
+    partials = partial_products(x, weight, parts)
+    assert partials.shape == (tokens, parts, hidden) and partials.dtype == torch.float32
+
+    summed = partials[:, 0]
+    for p in range(1, parts):
+        summed = summed + partials[:, p]
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():  # the interpreter truncates to bf16
+        summed = (summed.view(torch.int32) & -65536).view(torch.float32)
+    new, normed = hc_prenorm(streams, norm_w, 1e-6, hc, partials, inject)
+    want_new, want_normed = hc_prenorm(streams, norm_w, 1e-6, hc, summed.to(dtype), inject)
+    assert torch.equal(new, want_new) and torch.equal(normed, want_normed)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mix_takes_the_block_output_as_partial_products(tokens):
+    """Every `hc_mix` path (the CPU reference here) accepts the block output as partial products: the result is the
+    mix after combining their sum."""
+    from qwen4exp.ops.hyper_connection import hc_mix
+    from qwen4exp.ops.linear import partial_products
+
+    hc, hidden, rank, k = 4, 32, 8, 24
+    g = torch.Generator().manual_seed(tokens)
+    streams = torch.randn(tokens, hc * hidden, generator=g)
+    norm_w = torch.randn(hc * hidden, generator=g) * 0.1
+    w_di = torch.randn(rank + hc, hc * hidden, generator=g) / (hc * hidden) ** 0.5
+    w_up = torch.randn(hc * hidden, rank, generator=g) / rank**0.5
+    inject = torch.rand(tokens, hc, generator=g) * 2
+    x, weight = torch.randn(tokens, k, generator=g), torch.randn(hidden, k, generator=g)
+    got = hc_mix(streams, norm_w, w_di, w_up, 1e-6, hc, rank, True, partial_products(x, weight, 2), inject)
+    want = hc_mix(streams, norm_w, w_di, w_up, 1e-6, hc, rank, True, x @ weight.t(), inject)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
