@@ -175,8 +175,8 @@ def test_mixed_graph_buckets_longer_than_max_model_len(model_pair, monkeypatch):
 
 
 def test_missing_fla_warns_once_naming_the_package(monkeypatch, caplog):
-    """Without fla-core the GPU prefill silently ran the reference, several times slower, for three benchmark
-    sessions: its absence must be said, once, with how to install it."""
+    """Without fla-core the GPU prefill runs the reference, several times slower, which is easy to mistake for a slow
+    GPU: its absence must be said, once, with how to install it."""
     import sys
 
     from qwen4exp.ops import gated_delta

@@ -1,4 +1,4 @@
-"""PLE n-gram tables in host memory and in fp8 (issue 5): same outputs wherever the table lives, bounded fp8 error,
+"""PLE n-gram tables in host memory and in fp8: same outputs wherever the table lives, bounded fp8 error,
 prefetch issued before the first layer, and streaming loads whose peak memory is one shard above the table."""
 
 import logging
