@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_gpu_fast_paths_and_graphs_match_transformers(indexer_budget, monkeypatch):
     # budget 16: the prompts' steps select blocks (QSA); budget 256: every step is dense, and with the threshold
     # lowered below the step budget its prefill steps run the flash-style prefill attention kernel
-    from qwen4exp.ops import attention
+    from qwen4exp.ops import tuning
 
-    monkeypatch.setattr(attention, "PREFILL_KERNEL_MIN_TOKENS", 16)
+    monkeypatch.setattr(tuning, "PREFILL_ATTN_MIN_TOKENS", 16)
     hf = hf_model(hf_config(ple_layer_ids=[1, 2], indexer_budget=indexer_budget, linear_key_head_dim=16,
                             linear_value_head_dim=16, head_dim=32, indexer_head_dim=16,
                             indexer_n_heads=8), seed=7)
@@ -170,12 +170,13 @@ def test_serving_compiles_nothing_after_the_warm_up(max_model_len):
 
 def test_programmatic_dependent_launch_changes_no_output(monkeypatch):
     """With PDL each Triton kernel may launch while the kernel before it finishes, and waits before touching memory
-    (ops/triton_pdl.py). 48 requests in bf16 (eager prefill, mixed-step graphs, graph decode at batch 48 with the
+    (ops/_triton_utils.py). 48 requests in bf16 (eager prefill, mixed-step graphs, graph decode at batch 48 with the
     sorted-pairs experts and the shared expert on its side stream) give bitwise the same tokens and logprobs with
     it on and off: a kernel that read or wrote too early would show here."""
-    from qwen4exp.ops import triton_pdl
+    from qwen4exp import ops
+    from qwen4exp.ops._triton_utils import launch_options
 
-    if not triton_pdl.launch_options(torch.zeros(1, device="cuda"))["PDL"]:
+    if not launch_options(torch.zeros(1, device="cuda"))["PDL"]:
         pytest.skip("programmatic dependent launch needs compute capability 9.0 or later")
     hf = hf_model(hf_config(num_experts=16, num_experts_per_tok=4, indexer_budget=16), seed=3)
     gen = torch.Generator().manual_seed(5)
@@ -183,7 +184,7 @@ def test_programmatic_dependent_launch_changes_no_output(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     results = []
     for enabled in (True, False):
-        monkeypatch.setattr(triton_pdl, "_ENABLED", enabled)
+        monkeypatch.setattr(ops.settings, "pdl", enabled)
         llm = our_llm(hf, device="cuda", dtype="bfloat16", max_num_seqs=48, max_num_batched_tokens=256,
                       num_pages=1024)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

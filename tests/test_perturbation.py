@@ -76,7 +76,7 @@ COMPONENT_FAULTS = {
                                 lambda orig: lambda ids, q, c, eos, n: orig(ids, q, c, -7, n)),
     "ngram hash order swapped": ("ngram", "ngram_ids",
                                  lambda orig: lambda t, m, s, o, h: orig(t.flip(1).contiguous(), m, s, o, h)),
-    "QSA keeps the first blocks": ("attention", "qsa_select_ref", lambda orig: lambda q, *a: orig(q.abs() * 0 + 1, *a)),
+    "QSA keeps the first blocks": ("qsa", "qsa_select_ref", lambda orig: lambda q, *a: orig(q.abs() * 0 + 1, *a)),
     "QSA dense": ("attention", "paged_attention_ref", lambda orig: lambda *a: orig(*a[:7], None)),
     "conv without state": ("conv", "causal_conv1d_ref",
                            lambda orig: lambda x, w, st, q, sl, hi, *a: orig(x, w, st, q, sl, [False] * len(hi), *a)),

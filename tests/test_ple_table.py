@@ -1,4 +1,4 @@
-"""PLE n-gram tables in host memory and in fp8 (issue 5): same outputs wherever the table lives, bounded fp8 error,
+"""PLE n-gram tables in host memory and in fp8: same outputs wherever the table lives, bounded fp8 error,
 prefetch issued before the first layer, and streaming loads whose peak memory is one shard above the table."""
 
 import logging
@@ -57,13 +57,15 @@ def test_host_and_device_tables_give_identical_outputs(hf, monkeypatch):
     assert torch.equal(host[1], ref[1])
 
     pytest.importorskip("triton")
+    from qwen4exp.ops import table_gather_triton
+
     if torch.cuda.is_available():
         pytest.skip("the Triton gather of CPU tensors runs in the interpreter only; tests/test_gpu.py covers CUDA")
     gathered = []
 
     def triton_gather(table, ids, scale, dtype, out=None):
         gathered.append(on_host(table))
-        return table_gather.gather_rows_triton(table, ids, scale, dtype, out)
+        return table_gather_triton.gather_rows_triton(table, ids, scale, dtype, out)
 
     monkeypatch.setattr(table_gather, "gather_rows", triton_gather)
     fast = _run(host_llm, prompts)

@@ -36,13 +36,13 @@ class QSAIndexer(nn.Module):
         q = ops.rotary.norm_rope(q.reshape(-1, self.n_heads, self.head_dim), norm.weight, norm.eps, cos, sin)
         if meta.new_block_slots.numel():
             bcos, bsin = block_rope
-            block_key = ops.attention.pool_block_keys(
+            block_key = ops.qsa.pool_block_keys(
                 meta.new_block_token_slots, cache.index_key.view(-1, self.head_dim), self.k_layernorm.weight,
                 self.k_layernorm.eps, bcos, bsin)
             ops.attention.write_slots(cache.block_key, block_key, meta.new_block_slots)
         if meta.max_seq_len <= self.budget + self.compress_ratio - 1:
             return None  # at most budget/C complete blocks are visible: everything is selected
-        return ops.attention.qsa_select(q, cache.block_key, meta, self.budget, self.compress_ratio)
+        return ops.qsa.qsa_select(q, cache.block_key, meta, self.budget, self.compress_ratio)
 
 
 class Attention(nn.Module):

@@ -93,7 +93,7 @@ class StepMetadata:
     def prefill_q_tiles(self, tile_tokens: int) -> torch.Tensor:
         """int32 [num_tiles, 3] on the device: (request, first token row, rows) for every `tile_tokens`-token piece
         of every request, decodes included, longest context first: the tile table of
-        `ops.triton_attention.prefill_paged_attention` (see `build_q_tiles`). Built on the host once per step and
+        `ops.attention_triton.prefill_paged_attention` (see `build_q_tiles`). Built on the host once per step and
         shared by every attention layer, like prefill_chunk_indices."""
         key = ("prefill_q_tiles", tile_tokens)
         if key not in self.derived:

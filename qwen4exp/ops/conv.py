@@ -3,6 +3,11 @@
 import torch
 import torch.nn.functional as F
 
+from ._dispatch import HAS_TRITON, fast_path
+
+if HAS_TRITON:
+    from . import conv_triton
+
 
 def causal_conv1d_ref(
     x: torch.Tensor,
@@ -44,16 +49,13 @@ def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: st
 
     split: return the output's three channel parts of these widths (GDN's q, k, v), which the varlen kernel writes
     as contiguous tensors."""
-    from . import fast_path
-
-    if not fast_path(x):
+    if not (HAS_TRITON and fast_path(x)):
         out = causal_conv1d_ref(x, weight, conv_state, meta.query_start_loc_cpu, meta.state_slots_cpu,
                                 meta.has_initial_state, dilation, activation)
         return out if split is None else out.split(list(split), -1)
-    from .triton_conv import causal_conv1d_update, causal_conv1d_varlen
-
     if meta.num_decode_reqs == meta.num_reqs:
-        out = causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation, activation)
+        out = conv_triton.causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation,
+                                               activation)
         return out if split is None else out.split(list(split), -1)
-    return causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.state_slots, meta.has_initial,
-                                dilation, activation, split=split)
+    return conv_triton.causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.state_slots,
+                                            meta.has_initial, dilation, activation, split=split)

@@ -12,7 +12,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import compiled_on_gpu
+from ._dispatch import HAS_TRITON, compiled_on_gpu, fast_path
+
+if HAS_TRITON:
+    from . import gated_delta_triton
 
 logger = logging.getLogger("qwen4exp")
 
@@ -125,7 +128,7 @@ def warm_up_token_counts(num_key_heads: int, max_tokens: int) -> list[int]:
 def fla_chunk():
     """fla-core's chunk kernel, or None with one warning: without it a GPU prefill step runs the torch reference,
     ~50x the kernels and ~3-4x the wall time of a 16 x 1k step, which is otherwise easy to mistake for a slow GPU
-    (three benchmark sessions did, with fla installed into another interpreter than the one running)."""
+    (e.g. with fla installed into another interpreter than the one running)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as e:
@@ -141,15 +144,11 @@ def gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, ssm_state, meta) -> torc
     the step runs no gate kernels; in a graph it runs each request's tokens one by one (any mix of lengths, read
     from the device copy of query_start_loc). Any other step, and the CPU, computes the gates first and takes
     gated_delta_rule."""
-    from . import fast_path
-
     all_decode = meta.num_decode_reqs == meta.num_reqs
-    if fast_path(v) and (all_decode or meta.in_cuda_graph):
-        from .triton_gdn import fused_recurrent_gated_delta_rule_raw
-
-        return fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, ssm_state, meta.state_slots,
-                                                    meta.has_initial,
-                                                    query_start_loc=None if all_decode else meta.query_start_loc)
+    if HAS_TRITON and fast_path(v) and (all_decode or meta.in_cuda_graph):
+        return gated_delta_triton.fused_recurrent_gated_delta_rule_raw(
+            q, k, v, b, a, A_log, dt_bias, ssm_state, meta.state_slots, meta.has_initial,
+            query_start_loc=None if all_decode else meta.query_start_loc)
     beta, g = gdn_gates(b, a, A_log, dt_bias)
     return gated_delta_rule(q, k, v, g, beta, ssm_state, meta)
 
@@ -157,13 +156,10 @@ def gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, ssm_state, meta) -> torc
 def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
     """Step-level dispatch. GPU: one-token requests take the fused recurrent kernel (in place on the slots);
     prefill chunks take fla's varlen chunk kernel when installed. CPU: the reference."""
-    from . import fast_path
-
     qsl = meta.query_start_loc_cpu
-    if not fast_path(v):
+    if not (HAS_TRITON and fast_path(v)):
         return gated_delta_rule_ref(q, k, v, g, beta, ssm_state, qsl, meta.state_slots_cpu, meta.has_initial_state)
-    from .triton_gdn import fused_recurrent_gated_delta_rule
-
+    fused_recurrent_gated_delta_rule = gated_delta_triton.fused_recurrent_gated_delta_rule
     d, r = meta.num_decode_reqs, meta.num_reqs
     if d == r:
         return fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, meta.state_slots, meta.has_initial)

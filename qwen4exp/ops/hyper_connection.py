@@ -1,12 +1,16 @@
 """Hyper-connection mixing and combining as pure functions (compiled by inductor on the GPU, with Triton passes for
-the norm; ops/triton_hc.py)."""
+the one-token mix and the norm; hyper_connection_triton.py)."""
 
 import torch
 import torch.nn.functional as F
 
-from . import compiled_on_gpu
-from .linear import PARTIALS_MAX_TOKENS, partial_products
+from . import tuning
+from ._dispatch import HAS_TRITON, compiled_on_gpu, fast_path
+from .linear import partial_products
 from .norm import rms_norm
+
+if HAS_TRITON:
+    from . import hyper_connection_triton as hc_triton
 
 
 def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
@@ -14,25 +18,24 @@ def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank:
     """The pending combine of the previous block's output (when block_out is given), then the mix:
     returns (streams, block input [T, H], injection weights [T, hc] or None without `inject`).
 
-    GPU dispatch: a single token takes two Triton launches (batch-1 decode); more tokens one Triton pass for the
-    combine and the norm (`triton_hc.hc_prenorm`) and inductor's fusion of the rest, with the down projection as
-    fp32 partial products up to PARTIALS_MAX_TOKENS tokens.
+    GPU dispatch: up to tuning.HC_DECODE_MAX_TOKENS tokens two Triton launches (batch-1 decode); more tokens one
+    Triton pass for the combine and the norm (`hc_prenorm`) and inductor's fusion of the rest, with the down
+    projection as tuning.DOWN_SPLITS fp32 partial products up to tuning.PARTIALS_MAX_TOKENS tokens.
 
     block_out is [T, H], or fp32 partial products of it [T, P, H] (`ops.linear.output_linear`), summed and rounded
     to the streams' dtype as the projection's output would be."""
-    from . import fast_path
-
-    if fast_path(streams):
-        from .triton_hc import hc_mix_decode, hc_prenorm, prenorm_supported, supported
-
-        if supported(streams, hc) and (block_out is None or block_out.dim() == 2):
+    if HAS_TRITON and fast_path(streams):
+        if (streams.shape[0] <= tuning.HC_DECODE_MAX_TOKENS and hc_triton.supported(streams, hc)
+                and (block_out is None or block_out.dim() == 2)):
             if block_out is not None:
                 streams = hc_combine(streams, block_out, block_inject)
-            return (streams, *hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject))
-        if prenorm_supported(streams, hc):
-            streams, normed = hc_prenorm(streams, norm_weight, eps, hc, block_out, block_inject)
-            if streams.shape[0] <= PARTIALS_MAX_TOKENS and normed.shape[1] % DOWN_SPLITS == 0:
-                partials = partial_products(normed, w_down_inject, DOWN_SPLITS)
+            return (streams, *hc_triton.hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank,
+                                                      inject))
+        if hc_triton.prenorm_supported(streams, hc):
+            streams, normed = hc_triton.hc_prenorm(streams, norm_weight, eps, hc, block_out, block_inject)
+            splits = tuning.DOWN_SPLITS
+            if streams.shape[0] <= tuning.PARTIALS_MAX_TOKENS and normed.shape[1] % splits == 0:
+                partials = partial_products(normed, w_down_inject, splits)
                 return (streams, *hc_mix_partials(normed, partials, w_up, hc, rank, inject))
             return (streams, *hc_mix_normed(normed, w_down_inject, w_up, hc, rank, inject))
     if block_out is not None:
@@ -59,10 +62,6 @@ def hc_mix_ref(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, r
 def hc_mix_normed(normed, w_down_inject, w_up, hc: int, rank: int, inject: bool):
     """`hc_mix_ref` after the norm: normed [T, hc*H] (the per-stream RMSNorm of the streams, in their dtype)."""
     return _mix_scaled(normed, F.linear(normed, w_down_inject) / hc, w_up, hc, rank, inject)
-
-
-# the mix's down projection as partial products (`ops.linear.partial_products`) up to PARTIALS_MAX_TOKENS tokens
-DOWN_SPLITS = 16
 
 
 @compiled_on_gpu

@@ -8,10 +8,10 @@ The buffer ends with zero rows up to a multiple of ROW_ALIGN: an output row of 1
 shared gate and shared expert) is not 16-byte aligned, and cuBLAS then falls back to a kernel 3-4x slower.
 
 `linear` is F.linear, except for one token on the GPU (decode), where cuBLAS runs these widths well below HBM
-bandwidth: there it is one Triton GEMV launch (ops/triton_linear.py).
+bandwidth: there it is one Triton GEMV launch (linear_triton.py).
 
 `output_linear` is `linear` for the blocks' output projections (GDN out_proj, attention o_proj), whose only reader
-is the next hyper-connection mix: at 2 to PARTIALS_MAX_TOKENS tokens on the GPU it returns fp32 partial products
+is the next hyper-connection mix: at 2 to tuning.PARTIALS_MAX_TOKENS tokens on the GPU it returns fp32 partial products
 (`partial_products`) that the mix's combine sums, in place of cuBLAS's split-K GEMM and its reduce kernel.
 
 `fp32_out_linear` (the lm_head) keeps the GEMM's fp32 accumulator instead of rounding it to the operands' dtype.
@@ -19,6 +19,12 @@ is the next hyper-connection mix: at 2 to PARTIALS_MAX_TOKENS tokens on the GPU 
 
 import torch
 import torch.nn.functional as F
+
+from . import tuning
+from ._dispatch import HAS_TRITON, fast_path
+
+if HAS_TRITON:
+    from . import linear_triton
 
 
 ROW_ALIGN = 8
@@ -48,24 +54,12 @@ def merged_weight(weights: list[torch.Tensor], padded: bool = False) -> torch.Te
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); the Triton GEMV for few-token, bias-free projections on the fast path."""
-    from . import fast_path
-
-    if bias is None and fast_path(x):
-        from .triton_linear import gemv, supported
-
-        if supported(x, weight):
-            return gemv(x, weight)
+    """F.linear(x, weight, bias); the Triton GEMV for bias-free projections of up to tuning.GEMV_MAX_TOKENS tokens
+    on the fast path."""
+    if (bias is None and HAS_TRITON and fast_path(x) and x.dim() == 2 and x.shape[0] <= tuning.GEMV_MAX_TOKENS
+            and linear_triton.supported(x, weight)):
+        return linear_triton.gemv(x, weight)
     return F.linear(x, weight, bias)
-
-
-# Token counts up to which the GPU takes a decode-size projection whose consumer can sum them as partial products
-# (the mix's down projection, the blocks' output projections). H200, `bench/decode_kernels.py --parts hc_partials`,
-# us a mix: 2 tokens 12.8 -> 11.0, 64: 14.1 -> 12.4, 128: 15.8 -> 14.5, 256: 20.8 -> 19.6 (docs/benchmarks.md,
-# twenty-seventh session).
-PARTIALS_MAX_TOKENS = 128
-# partial products of the blocks' output projections; see `output_linear`
-OUTPUT_SPLITS = 2
 
 
 def partial_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -84,12 +78,11 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
 def output_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for a block's output projection, read only by the next hyper-connection mix's combine
     (`ops.hyper_connection.hc_mix`, which takes either form): [T, N] in x's dtype, or on the GPU at 2 to
-    PARTIALS_MAX_TOKENS tokens the product as OUTPUT_SPLITS fp32 partial products [T, OUTPUT_SPLITS, N]."""
-    from . import fast_path
-
-    if (bias is None and fast_path(x) and 1 < x.shape[0] <= PARTIALS_MAX_TOKENS and x.is_contiguous()
-            and x.shape[1] % OUTPUT_SPLITS == 0):
-        return partial_products(x, weight, OUTPUT_SPLITS)
+    tuning.PARTIALS_MAX_TOKENS tokens the product as tuning.OUTPUT_SPLITS fp32 partial products [T, splits, N]."""
+    splits = tuning.OUTPUT_SPLITS
+    if (bias is None and fast_path(x) and 1 < x.shape[0] <= tuning.PARTIALS_MAX_TOKENS and x.is_contiguous()
+            and x.shape[1] % splits == 0):
+        return partial_products(x, weight, splits)
     return linear(x, weight, bias)
 
 
@@ -97,13 +90,11 @@ def fp32_out_linear(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 327
     """x @ weight.T in fp32: bf16 operands, fp32 accumulation, and no rounding of the result to bf16.
 
     For the logits. A trained model's top logits lie around 8-16, where one bf16 step is 1/16, so bf16 logits turn
-    near ties into exact ones and flip the argmax: on `small` trained on the CPU (docs/benchmarks.md, twenty-fourth
-    session) the bf16 engine's top-1 agreement with fp32 went from 98.73% to 99.41% with fp32 logits. On the GPU
+    near ties into exact ones and flip the argmax: on `small` trained on the CPU the bf16 engine's top-1 agreement
+    with fp32 went from 98.73% to 99.41% with fp32 logits. On the GPU
     cuBLAS writes its fp32 accumulator directly (no widened weight; the extra cost is the wider output, 64 x 248k x 2
     bytes at batch 64). The reference widens `chunk_rows` weight rows at a time, so it never holds an fp32 copy of the
     whole matrix."""
-    from . import fast_path
-
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.linear(x, weight)
     if fast_path(x):

@@ -1,9 +1,23 @@
-"""Routed experts (SwiGLU) of the sparse MoE block: torch reference."""
+"""The sparse MoE block's router and routed experts (SwiGLU) with the gated shared expert: API, dispatch, the torch
+reference, and the grouped-GEMM path for large steps. moe_triton.py holds the kernels.
+
+GPU dispatch by the step's (token, expert) pairs (thresholds in `tuning`):
+  up to PAIRWISE_MAX_PAIRS   one program per pair, three launches (`moe_triton.pairwise_moe`), the shared expert's
+                             down projection in the pairs' down launch;
+  up to GROUPED_MM_MIN_PAIRS pairs sorted by expert and padded to the tile height, two Triton GEMM launches
+                             (`moe_triton.fused_moe`), the shared expert on a side stream beside them;
+  beyond                     torch's grouped GEMM (CUTLASS, bf16, Hopper) over the pairs in expert order
+                             (`grouped_moe`), with Triton kernels for the order, the input rows, silu_mul and the sum.
+"""
 
 import torch
 import torch.nn.functional as F
 
-from . import compiled_on_gpu
+from . import tuning
+from ._dispatch import HAS_TRITON, compiled_on_gpu, fast_path, side_stream
+
+if HAS_TRITON:
+    from . import moe_triton
 
 
 @compiled_on_gpu
@@ -19,14 +33,9 @@ def route_ref(logits, top_k: int, renormalize: bool):
 def route(logits, top_k: int, renormalize: bool):
     """Dispatch: on the GPU one fused Triton launch, a warp per token (inductor leaves softmax, topk's two kernels
     and the renormalisation separate). At 128 experts, top-10, on an H200 it takes 3.0 / 8.8 / 29 us at
-    64 / 4096 / 16384 tokens against the compiled reference's 17.5 / 45 / 137 us (`bench/decode_kernels.py --parts
-    route_big`)."""
-    from . import fast_path
-
-    if fast_path(logits) and logits.shape[-1] <= 4096:
-        from .triton_moe import route_triton
-
-        return route_triton(logits, top_k, renormalize)
+    64 / 4096 / 16384 tokens against the compiled reference's 17.5 / 45 / 137 us."""
+    if HAS_TRITON and fast_path(logits) and logits.shape[-1] <= moe_triton.ROUTE_MAX_EXPERTS:
+        return moe_triton.route_triton(logits, top_k, renormalize)
     return route_ref(logits, top_k, renormalize)
 
 
@@ -65,41 +74,28 @@ def moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared=None) -> torc
     return routed if shared is None else add_shared_expert(routed, shared[1], shared[0])
 
 
-# Above this many (token, expert) pairs the grouped GEMM beats the Triton kernel (set from bench/ on an H200).
-GROUPED_MM_MIN_PAIRS = 4096
-
-
 def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None) -> torch.Tensor:
     """Routed experts, plus the gated shared expert sigmoid(logit) * down(silu(gate) * up) with `shared_expert` =
     (gate [N, Is], up [N, Is], down weight [H, Is], logit [N, 1]) (gate, up and logit: the router GEMM's outputs).
 
-    Dispatch: Triton fused MoE for small batches (graph-capturable), torch grouped GEMM for large ones; on the GPU
-    the gated shared expert is added in the kernel that sums each token's experts; up to PAIRWISE_MAX_PAIRS pairs
-    its down projection runs in the routed experts' launch, and on the fused path its silu_mul and down projection
-    run on a side stream beside the routed experts."""
-    from . import fast_path
-
+    Dispatch: see the module docstring; on the GPU the gated shared expert is added in the kernel that sums each
+    token's experts."""
     def shared_output():
         if shared_expert is None:
             return None
         gate, up, down_weight, logit = shared_expert
         return F.linear(silu_mul(gate, up), down_weight), logit
 
-    if not fast_path(x):
+    if not (HAS_TRITON and fast_path(x)):
         return moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared_output())
-    if topk_ids.numel() >= GROUPED_MM_MIN_PAIRS:
-        from .moe_grouped import grouped_mm_available, grouped_moe
-
-        if grouped_mm_available(x):
-            return grouped_moe(x, gate_up, down, topk_ids, topk_weights, shared_output())
-    from .triton_moe import PAIRWISE_MAX_PAIRS, fused_moe, pairwise_moe
-
-    if topk_ids.numel() <= PAIRWISE_MAX_PAIRS:
-        return pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared_expert=shared_expert)
+    if topk_ids.numel() >= tuning.GROUPED_MM_MIN_PAIRS and grouped_mm_available(x):
+        return grouped_moe(x, gate_up, down, topk_ids, topk_weights, shared_output())
+    if topk_ids.numel() <= tuning.PAIRWISE_MAX_PAIRS:
+        return moe_triton.pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared_expert=shared_expert)
     if shared_expert is None or not x.is_cuda:  # (tests run the fast path on the CPU in Triton's interpreter)
-        return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())
+        return moe_triton.fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())
     shared, side = shared_expert_on_side_stream(shared_expert)
-    return fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared, shared_stream=side)
+    return moe_triton.fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared, shared_stream=side)
 
 
 def shared_expert_on_side_stream(shared_expert):
@@ -107,8 +103,6 @@ def shared_expert_on_side_stream(shared_expert):
     routed experts' weight-bound launches instead of before them (a few small kernels a layer at decode sizes;
     stream forks and joins are captured by CUDA graphs). Returns ((output [N, H], logit), the side stream): the
     output is allocated on the compute stream, which must wait on the side stream before reading it."""
-    from . import side_stream
-
     gate, up, down_weight, logit = shared_expert
     main = torch.cuda.current_stream(gate.device)
     side = side_stream(gate.device, "shared_expert")
@@ -125,13 +119,11 @@ def kernel_variant(num_tokens: int, num_experts: int, top_k: int) -> tuple:
     """Which compiled kernels `moe_experts` runs for a step of num_tokens tokens on the GPU (steps with equal values
     share them)."""
     pairs = num_tokens * top_k
-    if pairs >= GROUPED_MM_MIN_PAIRS:
+    if pairs >= tuning.GROUPED_MM_MIN_PAIRS:
         return ("grouped",)
-    from .triton_moe import PAIRWISE_MAX_PAIRS, fused_variant
-
-    if pairs <= PAIRWISE_MAX_PAIRS:
+    if pairs <= tuning.PAIRWISE_MAX_PAIRS:
         return ("pairwise",)
-    return fused_variant(num_tokens, num_experts, top_k)
+    return moe_triton.fused_variant(num_tokens, num_experts, top_k)
 
 
 def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
@@ -140,3 +132,31 @@ def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[
     for n in range(1, max_tokens + 1):
         first.setdefault(kernel_variant(n, num_experts, top_k), n)
     return sorted(first.values())
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """True when `torch._grouped_mm` can take x's dtype on x's device (static: decided by dtype/device only)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        # The CUTLASS kernel is bf16-only and needs Hopper or later; older GPUs would hit a slow fallback or fail.
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
+def grouped_moe(x, gate_up, down, topk_ids, topk_weights, shared=None) -> torch.Tensor:
+    """`moe_experts` through `torch._grouped_mm` (a private op, guarded by `grouped_mm_available`), for prefill-sized
+    steps: the N*k (token, slot) pairs are put in expert order (`moe_triton.sort_pairs`), each token's row is
+    written to its pairs' sorted rows (`spread_rows`), each expert's contiguous run goes through one grouped GEMM,
+    and `sum_pairs` adds each token's k rows, weighted, where they lie (deterministic, no atomics, no scatter). Every
+    step has shapes fixed by N, k and E and reads the group offsets on the device, so nothing syncs with the host.
+    shared: (shared expert output [N, H], its gate logit [N, 1]) to add, as in `moe_experts`."""
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    _, offs, rows = moe_triton.sort_pairs(topk_ids, gate_up.shape[0])
+    # weights as stored ([E, out, in]) transposed to [E, in, out]: column-major views, taken without a copy
+    h = torch._grouped_mm(moe_triton.spread_rows(x, rows, top_k), gate_up.transpose(1, 2), offs=offs)
+    # one pass over both halves (inductor's compiled silu_mul ran at ~60% of bandwidth here)
+    y = torch._grouped_mm(moe_triton.silu_mul_halves(h), down.transpose(1, 2), offs=offs)
+    return moe_triton.sum_pairs(y, top_k, rows.view(num_tokens, top_k), topk_weights, shared).to(x.dtype)

@@ -1,11 +1,12 @@
 """PLE ops: hashed n-gram ids (EOS-aware shifted tokens, then multiply-xor hashing into prime-sized head tables),
-and the gate of the normalised streams on the n-gram value."""
+and the gate of the normalised streams on the n-gram value. Pure torch: on the GPU the shifted tokens come from
+device tensors only (`shifted_tokens_batched`, CUDA-graph capturable) and the gate is compiled."""
 
 import math
 
 import torch
 
-from . import compiled_on_gpu
+from ._dispatch import compiled_on_gpu, fast_path
 
 
 @compiled_on_gpu
@@ -68,12 +69,36 @@ def ngram_ids(
 
 
 def shifted_tokens(meta, eos_token_id: int, n: int) -> torch.Tensor:
-    """Step-level dispatch of `shifted_tokens_ref` (vectorised, graph-safe version on GPU)."""
-    from . import fast_path
-
+    """Step-level dispatch of `shifted_tokens_ref`: on the GPU the vectorised, graph-safe `shifted_tokens_batched`."""
     if not fast_path(meta.input_ids):
         return shifted_tokens_ref(meta.input_ids, meta.query_start_loc_cpu, meta.ngram_context, eos_token_id, n)
-    from .ngram_fast import shifted_tokens_batched
-
     return shifted_tokens_batched(meta.input_ids, meta.token_req, meta.token_local, meta.ngram_context,
                                   eos_token_id, n)
+
+
+def shifted_tokens_batched(
+    input_ids: torch.Tensor,
+    token_req: torch.Tensor,
+    token_local: torch.Tensor,
+    ngram_context: torch.Tensor,
+    eos_token_id: int,
+    n: int,
+) -> torch.Tensor:
+    """`shifted_tokens_ref` from device tensors only (no host lists): input_ids [T]; token_req [T] request index of
+    each token; token_local [T] index of the token among its request's new tokens; ngram_context [R, >= n-1] oldest
+    first. Returns [T, n] int64. Each request's new tokens must be contiguous and in order in the flat batch, so that
+    a token s steps back among the new ones sits s rows earlier; padding rows only need a valid token_req."""
+    ids = input_ids.long()
+    if n == 1:
+        return ids[:, None]
+    ctx_len = n - 1
+    shifts = torch.arange(n, device=ids.device)
+    back = token_local.long()[:, None] - shifts  # index among the new tokens of token t-s; negative: in the context
+    rows = (torch.arange(ids.numel(), device=ids.device)[:, None] - shifts).clamp_min(0)
+    ctx_col = (back + ctx_len).clamp(0, ctx_len - 1)
+    from_ctx = ngram_context[:, :ctx_len].long()[token_req.long()[:, None], ctx_col]
+    history = torch.where(back >= 0, ids[rows], from_ctx)  # [T, n]: tokens t, t-1, .., t-n+1
+    # Column s is cut off by an EOS anywhere among tokens t-1 .. t-s (shifts 1..s).
+    eos_seen = (history[:, 1:] == eos_token_id).cummax(dim=1).values
+    cut = torch.where(eos_seen, torch.full_like(history[:, 1:], eos_token_id), history[:, 1:])
+    return torch.cat([ids[:, None], cut], dim=1)

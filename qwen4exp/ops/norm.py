@@ -3,7 +3,11 @@
 import torch
 import torch.nn.functional as F
 
-from . import compiled_on_gpu
+from . import tuning
+from ._dispatch import HAS_TRITON, compiled_on_gpu, fast_path
+
+if HAS_TRITON:
+    from . import hyper_connection_triton, norm_triton
 
 
 @compiled_on_gpu
@@ -36,35 +40,23 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (out * act(gate.float())).to(dtype)
 
 
-# Token counts from which the GPU takes the Triton norms below: inductor's compiled forms are single kernels that
-# run near launch latency at decode sizes, but well under bandwidth on prefill-sized steps.
-TRITON_NORM_MIN_TOKENS = 256
-
-
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
     """`rms_norm`, dispatched: grouped norms of [T, groups*G] on the GPU go through the hyper-connection norm pass
-    (`triton_hc.hc_prenorm`, the same per-group arithmetic) from TRITON_NORM_MIN_TOKENS tokens."""
-    from . import fast_path
-
-    if (group_size is not None and x.dim() == 2 and fast_path(x) and x.shape[0] >= TRITON_NORM_MIN_TOKENS
-            and x.shape[-1] % group_size == 0):
-        from .triton_hc import hc_prenorm, prenorm_supported
-
+    (`hyper_connection_triton.hc_prenorm`, the same per-group arithmetic) from tuning.TRITON_NORM_MIN_TOKENS
+    tokens."""
+    if (group_size is not None and HAS_TRITON and x.dim() == 2 and fast_path(x)
+            and x.shape[0] >= tuning.TRITON_NORM_MIN_TOKENS and x.shape[-1] % group_size == 0):
         groups = x.shape[-1] // group_size
-        if prenorm_supported(x, groups):
-            return hc_prenorm(x, weight, eps, groups)[1]
+        if hyper_connection_triton.prenorm_supported(x, groups):
+            return hyper_connection_triton.hc_prenorm(x, weight, eps, groups)[1]
     return rms_norm(x, weight, eps, group_size)
 
 
 def gated_rms_norm_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                       activation: str) -> torch.Tensor:
-    """`gated_rms_norm`, dispatched: one Triton pass (ops/triton_norm.py) on the GPU from TRITON_NORM_MIN_TOKENS
+    """`gated_rms_norm`, dispatched: one Triton pass (norm_triton.py) on the GPU from tuning.TRITON_NORM_MIN_TOKENS
     tokens."""
-    from . import fast_path
-
-    if fast_path(x) and x.shape[0] >= TRITON_NORM_MIN_TOKENS:
-        from . import triton_norm
-
-        if triton_norm.supported(x, gate):
-            return triton_norm.gated_rms_norm(x, gate, weight, eps, activation)
+    if (HAS_TRITON and fast_path(x) and x.shape[0] >= tuning.TRITON_NORM_MIN_TOKENS
+            and norm_triton.supported(x, gate)):
+        return norm_triton.gated_rms_norm(x, gate, weight, eps, activation)
     return gated_rms_norm(x, gate, weight, eps, activation)

@@ -2,7 +2,11 @@
 
 import torch
 
-from . import compiled_on_gpu
+from ._dispatch import HAS_TRITON, compiled_on_gpu, fast_path
+from .norm import rms_norm
+
+if HAS_TRITON:
+    from . import rotary_triton
 
 
 @compiled_on_gpu(token_dim=-1)
@@ -26,16 +30,9 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
     """apply_rope(rms_norm(x, weight, eps), cos, sin): the per-head query / key norm, then the rotation. On the GPU
-    one Triton pass (`triton_norm.rms_norm_rope`); compiled, the two are two kernels, and inductor's rotation ran at
-    a fifth of the bandwidth on prefill steps (245 us for the 8k-token query of an H200 step, 100 MB in and out)."""
-    from . import fast_path
-    from .norm import rms_norm
-
-    if fast_path(x):
-        from .triton_norm import rms_norm_rope, rope_supported
-
-        if rope_supported(x, cos, sin):
-            return rms_norm_rope(x, weight, eps, cos, sin)
+    one Triton pass at every size (rotary_triton.py)."""
+    if HAS_TRITON and fast_path(x) and rotary_triton.rope_supported(x, cos, sin):
+        return rotary_triton.rms_norm_rope(x, weight, eps, cos, sin)
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
 
 

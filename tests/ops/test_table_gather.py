@@ -7,9 +7,9 @@ import torch
 from qwen4exp.ops.table_gather import gather_rows_ref
 
 triton = pytest.importorskip("triton")
-from qwen4exp.ops.table_gather import gather_rows_triton  # noqa: E402
-
 from conftest import on_device  # noqa: E402
+
+from qwen4exp.ops.table_gather_triton import gather_rows_triton  # noqa: E402
 
 
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

@@ -5,7 +5,7 @@ GEMVs' worth of fused elementwise kernels; ~15 us per call, 96 calls per decode 
 streams [T, S*H] (S streams of width H), norm weight [S*H], W_down_inject [R (+S) (+padding), S*H], W_up [S*H, R].
 Both GEMMs are matrix-vector products at decode that must stream 6.5 MB of weights each, so each is split over
 hundreds of programs with one (or few) wide loads apiece; a loop of small dependent loads per program is latency
-bound (a first version that looped measured 137 us per call).
+bound (137 us per call measured for such a loop).
 
   `_hc_down_kernel`, grid (row blocks, K chunks): normalises one K chunk (normed = x * rstd * (1 + w), rounded to
       the model dtype as the reference rounds it; the stream's RMS is recomputed from the L2-resident activations)
@@ -15,22 +15,20 @@ bound (a first version that looped measured 137 us per call).
   `_hc_up_mix_kernel`, grid (hidden blocks): gate = sigmoid(act @ W_up^T) for all S streams, then
       mixed = mean_s gate * normed.
 
-H200, flash-next widths, inside a CUDA graph: 11.1 us per call against the compiled reference's 14.6 us at one
-token, but slower from two tokens (17.7 vs 14.8 us), so `hc_mix` dispatches here for single tokens only.
+It wins only at one token (`ops.tuning.HC_DECODE_MAX_TOKENS`).
 
 From two tokens on, `hc_prenorm` is the mix's first pass instead: the pending combine of the previous block (if any)
 and the per-stream RMSNorm in one launch over the streams, which inductor compiles into three kernels (combine,
 sum of squares, normalise), each reading the [T, S*H] streams. The GEMMs and gates then run compiled
-(`ops.hyper_connection.hc_mix_normed`).
+(`ops.hyper_connection.hc_mix_normed`, or `hc_mix_partials` from the down projection's fp32 partial products).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import launch_options, pdl_start
+from ._triton_utils import launch_options, pdl_start, rounding
 
-MAX_TOKENS = 1
 # products held per program (fp32 values): ~64 registers a thread at 4 warps
 _BUDGET = 8192
 
@@ -195,7 +193,7 @@ def hc_prenorm(streams, norm_weight, eps: float, hc: int, block_out=None, inject
             H, eps,
             streams.stride(0), block_out.stride(0) if combine else 0, parts and block_out.stride(1),
             inject.stride(0) if combine else 0, new.stride(0), normed.stride(0),
-            COMBINE=combine, PARTS=parts, BLOCK=block, ROUND="rtne" if streams.dtype != torch.float32 else None,
+            COMBINE=combine, PARTS=parts, BLOCK=block, ROUND=rounding(streams.dtype),
             S=hc,
             num_warps=max(1, min(8, block // 512)),
             # else the product and the sum become one bf16 FMA (one rounding where the eager combine has two)
@@ -223,10 +221,8 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def supported(streams: torch.Tensor, hc: int) -> bool:
-    """One token (the kernels take up to any T, but from two tokens the compiled reference is faster), and a stream
-    width with a power-of-two block of at least 16 (K chunks must not straddle streams)."""
-    return (streams.shape[0] <= MAX_TOKENS and _pow2_divisor(streams.shape[1] // hc, 1024) >= 16
-            and streams.stride(1) == 1)
+    """A stream width with a power-of-two block of at least 16 (K chunks must not straddle streams); any T."""
+    return _pow2_divisor(streams.shape[1] // hc, 1024) >= 16 and streams.stride(1) == 1
 
 
 def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
@@ -235,7 +231,7 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
 
     block_rows x chunk: the W_down_inject tile of one down program (chunk is cut to a power of two dividing the
     stream width); block_h: hidden columns (of every stream) of one up program. Defaults: within noise of the
-    fastest of the tiles `bench/decode_kernels.py` sweeps at flash-next widths on an H200.
+    fastest tiles at flash-next widths on an H200.
     """
     T, width = streams.shape
     H = width // hc
@@ -251,13 +247,12 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
     act = torch.empty(T, rank, dtype=dtype, device=dev)
     inj = torch.empty(T, hc, dtype=dtype, device=dev)
     out = torch.empty(T, H, dtype=dtype, device=dev)
-    round_mode = "rtne" if dtype != torch.float32 else None  # explicit: the interpreter truncates by default
     _hc_down_kernel[(row_blocks, n_chunks)](
         streams, norm_weight, w_down_inject, part, _arrival_counters(dev, row_blocks), rstd, act, inj,
         T, H, rank, rows, n_chunks, eps,
         streams.stride(0), w_down_inject.stride(0), act.stride(0), inj.stride(0),
         S=hc, BT=bt, BR=block_rows, KC=kc, BK=bk, BS=min(triton.next_power_of_2(H), max(16, _BUDGET // (2 * bt))),
-        NCP=triton.next_power_of_2(n_chunks), ROUND=round_mode, num_warps=4, **launch_options(streams)
+        NCP=triton.next_power_of_2(n_chunks), ROUND=rounding(dtype), num_warps=4, **launch_options(streams)
     )
     sp = triton.next_power_of_2(hc)
     _hc_up_mix_kernel[(triton.cdiv(H, block_h),)](
@@ -265,6 +260,6 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
         T, H, rank,
         streams.stride(0), w_up.stride(0), act.stride(0), out.stride(0),
         S=hc, SP=sp, BT=bt, BH=block_h, BK=min(triton.next_power_of_2(rank), max(16, _BUDGET // (sp * bt * block_h))),
-        ROUND=round_mode, num_warps=4, **launch_options(streams)
+        ROUND=rounding(dtype), num_warps=4, **launch_options(streams)
     )
     return out, (inj if inject else None)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import launch_options, pdl_start
+from ._triton_utils import launch_options, pdl_start
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS_PER_SM = 2
@@ -303,60 +303,6 @@ def sparse_paged_attention(
     return out
 
 
-def sparse_paged_attention_ref(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    token_req: torch.Tensor,
-    token_pos: torch.Tensor,
-    scale: float,
-    selected: torch.Tensor | None = None,
-    max_chunk_elems: int = 1 << 26,
-) -> torch.Tensor:
-    """Vectorised torch definition of `sparse_paged_attention` (fp32 throughout), chunked over tokens.
-
-    Dense mode gathers the block table's full capacity (max_pages * page keys) per token, masked causally.
-    """
-    T, hq, D = q.shape
-    _, page, hkv, _ = key_cache.shape
-    group = hq // hkv
-    out = torch.empty_like(q)
-    if T == 0:
-        return out
-    flat_k = key_cache.reshape(-1, hkv, D)
-    flat_v = value_cache.reshape(-1, hkv, D)
-    L = selected.shape[1] if selected is not None else block_tables.shape[1] * page
-    chunk = max(1, max_chunk_elems // max(1, L * hkv * D))
-    for s in range(0, T, chunk):
-        e = min(T, s + chunk)
-        req = token_req[s:e].long()
-        if selected is None:
-            kpos = torch.arange(L, device=q.device).expand(e - s, L)
-            valid = kpos <= token_pos[s:e, None].long()
-        else:
-            kpos = selected[s:e].long()
-            valid = kpos >= 0
-        kpos = kpos.clamp(min=0)
-        # masked positions may hit block-table padding: point them at page 0 instead of reading garbage ids
-        pages = torch.where(valid, block_tables[req[:, None], kpos // page].long(), 0)
-        slots = pages * page + kpos % page
-        # zero masked keys/values: unwritten rows may hold nan, and 0 * nan would leak through the softmax
-        keep = valid[:, :, None, None]
-        k = torch.where(keep, flat_k[slots].float(), 0.0)  # [n, L, Hkv, D]
-        v = torch.where(keep, flat_v[slots].float(), 0.0)
-        qg = q[s:e].float().view(e - s, hkv, group, D)
-        scores = torch.einsum("nkgd,nlkd->nkgl", qg, k) * scale
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[s:e] = torch.einsum("nkgl,nlkd->nkgd", probs, v).reshape(e - s, hq, D).to(q.dtype)
-    return out
-
-
-__all__ = ["sparse_paged_attention", "sparse_paged_attention_ref", "default_num_splits", "prefill_paged_attention",
-           "prefill_tile_config", "prefill_tile_tokens"]
-
-
 # ----- prefill: flash-attention tiles of consecutive query tokens of one request -----
 #
 # Work decomposition: one program per (query tile, kv head). A tile is up to TILE_T consecutive tokens of one request,
@@ -468,11 +414,10 @@ def _prefill_paged_attn_kernel(
 
 
 def prefill_tile_config(head_dim: int, group: int, elem_bytes: int = 2) -> dict:
-    """Default tiles of `prefill_paged_attention`: the fastest of the sweep `python bench/decode_kernels.py --parts
-    prefill_attn` ran on an H200 (bf16, D = 256, 12 query heads per kv head): 128 rows (10 tokens x 12 heads) x 64
-    keys, 8 warps, 2 stages won at 8 x 1024 new tokens (372 us against 423-841 us for the other tiles), 1 x 8192 and
-    4 x 1024 after 3072 cached. Every stage's K and V tiles sit in shared memory (227 KB per SM), so wider elements
-    (fp32 at D = 256) take half the keys per step."""
+    """Default tiles of `prefill_paged_attention`: the fastest of a tile sweep on an H200 (bf16, D = 256, 12 query heads
+    per kv head): 128 rows (10 tokens x 12 heads) x 64 keys, 8 warps, 2 stages won at 8 x 1024 new tokens (372 us
+    against 423-841 us for the other tiles), 1 x 8192 and 4 x 1024 after 3072 cached. Every stage's K and V tiles sit in
+    shared memory (227 KB per SM), so wider elements (fp32 at D = 256) take half the keys per step."""
     cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
     while triton.next_power_of_2(head_dim) * cfg["block_n"] * elem_bytes * 2 * cfg["num_stages"] > 160 * 1024:
         cfg["block_n"] //= 2

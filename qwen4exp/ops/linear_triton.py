@@ -1,5 +1,5 @@
 """y = x @ W^T for one token in one Triton launch: the decode fast path of `ops.linear.linear` (F.linear is the
-reference). The kernel takes any T, but from T = 2 cuBLAS was faster at every decode shape (see MAX_TOKENS).
+reference). The kernel takes any T; `ops.tuning.GEMV_MAX_TOKENS` says up to which T it is dispatched.
 
 At decode every projection is a matrix-vector product that must stream its whole weight once, and cuBLAS runs the
 flash-next widths well below HBM bandwidth (out_proj/o_proj [2560, 6144]: 10.5 us + a 1.7 us split-K reduction
@@ -20,11 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import launch_options, pdl_start
+from ._triton_utils import launch_options, pdl_start
 
-# tokens per call up to which the kernel is dispatched: from T = 2 cuBLAS was faster at every decode shape (H200,
-# bench/decode_kernels.py --parts gemv)
-MAX_TOKENS = 1
 # the K loop is unrolled: longer rows would only grow the kernel's code
 _MAX_K = 16384
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,8 +50,8 @@ def _gemv_kernel(
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Few tokens, unit-stride rows of one float dtype, 16-byte aligned rows (vector loads), int32 offsets."""
-    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= MAX_TOKENS and x.shape[1] == weight.shape[1]
+    """Unit-stride rows of one float dtype, 16-byte aligned rows (vector loads), int32 offsets."""
+    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] and x.shape[1] == weight.shape[1]
             and x.shape[1] <= _MAX_K
             and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(1) == 1 and weight.stride(1) == 1
             and weight.stride(0) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
@@ -64,9 +61,9 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def default_tiles(tokens: int, n: int, k: int, element_size: int = 2) -> dict:
     """Tiles from static shapes only (a captured graph keeps its kernel). A K chunk of 32 lanes x 16 bytes gives each
     lane of a warp one vector load per row, and the row sum stays within the warp. One row per one-warp program was
-    fastest at K = 2560 and four rows per four-warp program with 32-byte loads at K = 6144 (H200, T = 1,
-    bench/decode_kernels.py --parts gemv: router + shared expert [1416, 2560] 3.7 us, GDN in_proj [16480, 2560]
-    20.5 us, attention q/k/v [13952, 2560] 18.2 us, out_proj [2560, 6144] 9.4 us; cuBLAS 8.2, 22.9, 20.7, 12.1)."""
+    fastest at K = 2560 and four rows per four-warp program with 32-byte loads at K = 6144 (H200, T = 1: router + shared
+    expert [1416, 2560] 3.7 us, GDN in_proj [16480, 2560] 20.5 us, attention q/k/v [13952, 2560] 18.2 us, out_proj
+    [2560, 6144] 9.4 us; cuBLAS 8.2, 22.9, 20.7, 12.1)."""
     lane_k = 16 // element_size * 32
     if k >= 4096:
         return dict(block_n=4, block_k=min(2 * lane_k, triton.next_power_of_2(k)), num_warps=4)
@@ -76,7 +73,7 @@ def default_tiles(tokens: int, n: int, k: int, element_size: int = 2) -> dict:
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
          num_warps: int | None = None) -> torch.Tensor:
     """F.linear(x, weight) for x [T, K], weight [N, K] (any T; `supported` says when it is dispatched). Tiles default
-    to `default_tiles`; bench/decode_kernels.py sweeps them."""
+    to `default_tiles`."""
     T, K = x.shape
     N = weight.shape[0]
     tiles = default_tiles(T, N, K, x.element_size())

@@ -1,4 +1,4 @@
-"""qsa_select_batched (torch and Triton scoring) vs the tie-exact reference qwen4exp.ops.attention.qsa_select.
+"""qsa_select_batched (torch and Triton scoring) vs the tie-exact reference qwen4exp.ops.qsa.qsa_select_ref.
 
 Selections are compared as sets per row: the fast path may break exact score ties differently, so the data makes
 ties improbable (positive queries and keys: relu never clamps and every score is a distinct positive sum).
@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 import pytest
 
 from qwen4exp.ops import attention as ref_ops
-from qwen4exp.ops.qsa_fast import qsa_block_scores_torch, qsa_select_batched
+from qwen4exp.ops import qsa as qsa_ops
+from qwen4exp.ops.qsa import qsa_block_scores_torch, qsa_select_batched
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = 4
@@ -58,7 +59,7 @@ def make_batch(page, Hi=2, Di=16, ctx=CTX, new=NEW, positive=True, seed=0, dtype
 
 
 def reference(b, budget):
-    return ref_ops.qsa_select_ref(
+    return qsa_ops.qsa_select_ref(
         b["index_q"], b["block_key"], b["block_tables"], b["qsl"], b["ctx"], budget, C
     )
 
@@ -139,7 +140,7 @@ def test_budget_larger_than_max_blocks():
 @needs_triton
 @pytest.mark.parametrize("block_t", [4, 16])
 def test_triton_scores_match_torch(block_t):
-    from qwen4exp.ops.qsa_fast import qsa_block_scores_triton
+    from qwen4exp.ops.qsa_triton import qsa_block_scores_triton
 
     b = make_batch(16, Hi=4, Di=32, seed=5, positive=False)
     # token order shuffled: a token tile then spans requests out of order, with gaps
@@ -163,7 +164,7 @@ def test_fp16_keys_triton():
 @needs_triton
 def test_end_to_end_with_sparse_attention():
     # fast selection -> Triton attention equals reference selection -> reference attention (same sets)
-    from qwen4exp.ops.triton_attention import sparse_paged_attention
+    from qwen4exp.ops.attention_triton import sparse_paged_attention
 
     page, hkv, hq, D, budget = 16, 2, 4, 16, 16
     b = make_batch(page, seed=8)

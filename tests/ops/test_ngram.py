@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from qwen4exp.ops.ngram import shifted_tokens_batched
 from qwen4exp.ops.ngram import shifted_tokens_ref as shifted_tokens
-from qwen4exp.ops.ngram_fast import shifted_tokens_batched
 
 EOS = 2
 

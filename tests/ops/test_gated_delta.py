@@ -8,13 +8,10 @@ pytest.importorskip("triton")
 
 import torch
 from conftest import on_device
+from kernel_references import fused_recurrent_gated_delta_rule_ref
 
 from qwen4exp.ops.gated_delta import chunk_gated_delta_rule_ref, gdn_gates
-from qwen4exp.ops.triton_gdn import (
-    fused_recurrent_gated_delta_rule,
-    fused_recurrent_gated_delta_rule_raw,
-    fused_recurrent_gated_delta_rule_ref,
-)
+from qwen4exp.ops.gated_delta_triton import fused_recurrent_gated_delta_rule, fused_recurrent_gated_delta_rule_raw
 
 fused_recurrent_gated_delta_rule = on_device(fused_recurrent_gated_delta_rule)
 fused_recurrent_gated_delta_rule_raw = on_device(fused_recurrent_gated_delta_rule_raw)

@@ -12,11 +12,10 @@ Padding rows carry slot 0 (the null slot): they read and write slot 0 only, whic
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_pdl import launch_options, pdl_start
+from ._triton_utils import launch_options, pdl_start
 
 
 @triton.jit
@@ -107,7 +106,7 @@ def causal_conv1d_update(
     num_warps: int = 1,
 ) -> torch.Tensor:
     """See the module docstring. block_c / num_warps: tuning overrides (the defaults measured best on an H200 at
-    10240 channels: 6.8 us at batch 64 against 29 us with 256 channels over 4 warps; `bench/decode_kernels.py`)."""
+    10240 channels: 6.8 us at batch 64 against 29 us with 256 channels over 4 warps)."""
     total, channels = x.shape
     kernel = weight.shape[1]
     state_len = (kernel - 1) * dilation
@@ -137,38 +136,6 @@ def causal_conv1d_update(
         num_warps=num_warps, **launch_options(x)
     )
     return out
-
-
-def causal_conv1d_update_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    dilation: int = 1,
-    activation: str | None = "silu",
-    num_tokens_per_req: int = 1,
-    intermediate_states: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Torch definition of the same contract, vectorised over the batch (and itself free of host syncs)."""
-    total, channels = x.shape
-    state_len = conv_state.shape[-1]
-    lq, B = num_tokens_per_req, state_slots.shape[0]
-    silu = _check_activation(activation)
-
-    prev = conv_state[state_slots]
-    prev = torch.where(has_initial_state.bool()[:, None, None], prev, torch.zeros_like(prev))
-    new = x.reshape(B, lq, channels).transpose(1, 2).to(conv_state.dtype)
-    history = torch.cat([prev, new], dim=-1)  # [B, C, L + Lq]
-    y = F.conv1d(history.float(), weight.float()[:, None, :], groups=channels, dilation=dilation)  # [B, C, Lq]
-    if silu:
-        y = F.silu(y)
-    if intermediate_states is not None:
-        # window after token t = history[t+1 : t+1+L]
-        after = history.unfold(-1, state_len, 1)[:, :, 1:]  # [B, C, Lq, L]
-        intermediate_states.copy_(after.transpose(1, 2))
-    conv_state[state_slots] = history[:, :, lq:]
-    return y.transpose(1, 2).reshape(total, channels).to(x.dtype)
 
 
 # ----- prefill: any number of requests of any length in one flat batch -----

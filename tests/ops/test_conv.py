@@ -8,9 +8,10 @@ pytest.importorskip("triton")
 
 import torch
 from conftest import on_device
+from kernel_references import causal_conv1d_update_ref
 
 from qwen4exp.ops.conv import causal_conv1d_ref as causal_conv1d
-from qwen4exp.ops.triton_conv import causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen
+from qwen4exp.ops.conv_triton import causal_conv1d_update, causal_conv1d_varlen
 
 causal_conv1d_update = on_device(causal_conv1d_update)
 causal_conv1d_varlen = on_device(causal_conv1d_varlen)

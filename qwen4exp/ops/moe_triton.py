@@ -25,16 +25,13 @@ Pipeline (all steps have static shapes and never sync with the host, so it can b
        expert added in the same pass when given.
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_gdn import _round_to
-from .triton_pdl import launch_options, pdl_start
-
+from ._triton_utils import INTERPRETED, launch_options, pdl_start, round_to, rounding
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Alignment
@@ -213,8 +210,11 @@ def _sort_place_kernel(ids_ptr, base_ptr, order_ptr, rows_ptr, P, E, BLOCK: tl.c
 
 
 def sort_pairs(topk_ids: torch.Tensor, num_experts: int):
-    """Same contract as `ops.moe_grouped.sort_pairs_ref` (the (token, slot) pairs in stable expert order), in three
-    launches instead of torch's radix sort, scatter_add, cumsum and inverse-permutation scatter (~14 kernels)."""
+    """The N*k (token, slot) pairs of topk_ids [N, k] in expert order, ties in pair order (stable), in three launches
+    (block histograms, one scan program, placement) instead of torch's radix sort, scatter_add, cumsum and
+    inverse-permutation scatter (~14 kernels). Returns order [N*k] int64 (the pair at each sorted position), offs [E]
+    int32 (the end of each expert's run: the grouped GEMM's offsets) and rows [N*k] int64 (each pair's sorted
+    position, the inverse of order)."""
     flat = topk_ids.reshape(-1)
     P, dev = flat.numel(), flat.device
     nb = triton.cdiv(P, SORT_BLOCK)
@@ -251,8 +251,8 @@ def _spread_rows_kernel(x_ptr, rows_ptr, out_ptr, hidden, stride_x, stride_o,
 def spread_rows(x: torch.Tensor, rows: torch.Tensor, top_k: int, block: int = 4096) -> torch.Tensor:
     """The grouped GEMM's input in expert order: out[rows[n*k + j]] = x[n], i.e. `x[order // top_k]` for sort_pairs'
     order. Each token's row is read once and written k times, where the gather reads a token's row again for each
-    of its k sorted positions (H200, k = 10, H = 2560, `bench/decode_kernels.py --parts moe_spread`: 16k tokens
-    475.6 -> 253.8 us, 8k 222.3 -> 126.7; a whole row a program was the best of 256-4096 columns, by ~3%)."""
+    of its k sorted positions (H200, k = 10, H = 2560: 16k tokens 475.6 -> 253.8 us, 8k 222.3 -> 126.7; a whole row
+    a program was the best of 256-4096 columns, by ~3%)."""
     num_tokens, hidden = x.shape
     assert rows.numel() == num_tokens * top_k and x.stride(1) == 1
     out = torch.empty(rows.numel(), hidden, dtype=x.dtype, device=x.device)
@@ -300,7 +300,7 @@ def get_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter
             down=Tile(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4),
         )
     if rows_per_expert <= 48:
-        # H200, `--parts moe_tiles` swept at 256 tokens: 324.5 us a layer against 343.4 for 64 x 64 tiles in groups
+        # H200, swept at 256 tokens: 324.5 us a layer against 343.4 for 64 x 64 tiles in groups
         # of 4 M blocks at 4 warps; at 400 tokens 357.8 against 366.2 (outputs bitwise equal)
         return MoEConfig(
             block_m=32,
@@ -539,18 +539,13 @@ def _pair_down_kernel(
              mask=row_ok)
 
 
-# Up to this many (token, expert) pairs, one GEMV-style program per pair beats sorting the pairs by expert:
-# at decode batch sizes experts are rarely shared, and skipping the sort saves a dozen small launches per layer.
-PAIRWISE_MAX_PAIRS = 96
-
-
 def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_expert=None, block_n: int = 16,
                  block_k: int = 256, down_block_n: int = 32, down_block_k: int = 256,
                  num_warps: int = 4) -> torch.Tensor:
     """Same contract as fused_moe, for small batches: no sorting, three launches. `shared_expert` = (gate [N, Is],
     up [N, Is], down weight [H, Is], gate logit [N, 1]) computes the gated shared expert in the same launches
     (instead of `shared`, its precomputed output). block_* / num_warps: the tiles of one program (rows of the
-    weight x columns per step) of the gate-up and down launches (`bench/decode_kernels.py` sweeps them)."""
+    weight x columns per step) of the gate-up and down launches."""
     num_tokens, hidden = x.shape
     inter = down.shape[2]
     top_k = topk_ids.shape[1]
@@ -573,7 +568,7 @@ def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_e
     _pair_down_kernel[(pairs + extra, triton.cdiv(hidden, down_block_n))](
         act, down, ids, wts, out, hidden, inter, pairs, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *shared_args, BLOCK_N=down_block_n, BLOCK_K=down_block_k, HAS_SHARED=shared_expert is not None,
-        ROUND=_rounding(x.dtype), num_warps=num_warps, **launch_options(act)
+        ROUND=rounding(x.dtype), num_warps=num_warps, **launch_options(act)
     )
     if shared_expert is not None:
         shared = (out[pairs:], shared_expert[3])
@@ -608,7 +603,7 @@ def fused_moe(
     block_m = config.block_m
     # fp32 callers expect fp32 results; tensor-core TF32 would lose ~3 digits against the reference.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    upcast = x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    upcast = x.dtype != torch.float32 and INTERPRETED
 
     align = moe_align_triton if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else moe_align
     sorted_ids, expert_ids, num_post_padded = align(topk_ids, num_experts, block_m)
@@ -667,8 +662,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, inter, stride_g, stride_o,
     u = tl.load(gu_ptr + rows[:, None] * stride_g + (inter + cols)[None, :], mask=m, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     # as eager rounds: silu to the model dtype, then the product
-    act = _round_to(g * tl.sigmoid(g), dtype, BF16)
-    y = _round_to(act * u, dtype, BF16)
+    act = round_to(g * tl.sigmoid(g), dtype, BF16)
+    y = round_to(act * u, dtype, BF16)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y.to(dtype), mask=m)
 
 
@@ -717,12 +712,6 @@ def _sum_pairs_kernel(
              mask=ok)
 
 
-def _rounding(dtype: torch.dtype) -> str | None:
-    """Round-to-nearest-even for narrowing casts, stated explicitly because the interpreter truncates by default
-    (the GPU already rounds to nearest); fp32 outputs are no narrowing cast, where Triton rejects a mode."""
-    return None if dtype == torch.float32 else "rtne"
-
-
 def sum_pairs(y, top_k: int, rows=None, weights=None, shared=None, block: int | None = None) -> torch.Tensor:
     """out[n] = sum_j weights[n, j] * y[rows[n, j]] (+ sigmoid(logit[n]) * shared_out[n]), one launch, fp32 sums.
 
@@ -733,7 +722,7 @@ def sum_pairs(y, top_k: int, rows=None, weights=None, shared=None, block: int | 
     hidden = y.shape[1]
     num_tokens = rows.shape[0] if rows is not None else y.shape[0] // top_k
     if block is None:
-        # H200, hidden 2560, k=10 (`--parts sum_pairs_decode`, `moe_spread`): 256 columns at 1 token 0.86 us vs 1.33
+        # H200, hidden 2560, k=10: 256 columns at 1 token 0.86 us vs 1.33
         # at 1024; 512 at 64 tokens 1.49 vs 1.62 at 256, and at 16k tokens 216.4 vs 238.8 at 1024.
         block = 256 if num_tokens <= 16 else 512
     out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
@@ -746,22 +735,13 @@ def sum_pairs(y, top_k: int, rows=None, weights=None, shared=None, block: int | 
         shared_out, logit, out, hidden,
         y.stride(0), shared_out.stride(0), logit.stride(0), out.stride(0),
         TOP_K=top_k, HAS_ROWS=rows is not None, HAS_WEIGHTS=weights is not None, HAS_SHARED=shared is not None,
-        BLOCK=block, ROUND=_rounding(y.dtype), num_warps=4, **launch_options(y)
+        BLOCK=block, ROUND=rounding(y.dtype), num_warps=4, **launch_options(y)
     )
     return out
 
 
-def sum_pairs_ref(y, top_k: int, rows=None, weights=None, shared=None) -> torch.Tensor:
-    """Torch definition of `sum_pairs`."""
-    num_tokens = rows.shape[0] if rows is not None else y.shape[0] // top_k
-    rows = rows if rows is not None else torch.arange(num_tokens * top_k, device=y.device).view(num_tokens, top_k)
-    v = y[rows.long()].float()
-    if weights is not None:
-        v = v * weights.float()[..., None]
-    out = v.sum(dim=1)
-    if shared is not None:
-        out = out + torch.sigmoid(shared[1].float()) * shared[0].float()
-    return out.to(y.dtype)
+# the router kernel holds a token's logits in registers
+ROUTE_MAX_EXPERTS = 4096
 
 
 @triton.jit
@@ -806,5 +786,5 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
     if n:
         _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                             RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                            ROUND=_rounding(logits.dtype), num_warps=num_warps, **launch_options(logits))
+                            ROUND=rounding(logits.dtype), num_warps=num_warps, **launch_options(logits))
     return weights, ids

@@ -9,7 +9,7 @@ from conftest import on_device
 
 import qwen4exp.ops as ops
 from qwen4exp.ops import norm
-from qwen4exp.ops.triton_norm import gated_rms_norm
+from qwen4exp.ops.norm_triton import gated_rms_norm
 
 gated_rms_norm = on_device(gated_rms_norm)
 
@@ -56,12 +56,12 @@ def test_gated_norm_of_flat_rows():
 def test_dispatchers_take_the_kernels_from_the_token_threshold(dtype, monkeypatch):
     """With the fast path on (the CPU runs the kernels in the interpreter), steps at the threshold go through the
     Triton passes and agree with the references; the grouped norm normalises each group on its own."""
-    monkeypatch.setattr(ops, "fast_path", lambda x: True)
-    monkeypatch.setattr(norm, "TRITON_NORM_MIN_TOKENS", 8)
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    monkeypatch.setattr(ops.tuning, "TRITON_NORM_MIN_TOKENS", 8)
     calls = []
-    from qwen4exp.ops import triton_hc, triton_norm
+    from qwen4exp.ops import hyper_connection_triton, norm_triton
 
-    for module, name in ((triton_hc, "hc_prenorm"), (triton_norm, "gated_rms_norm")):
+    for module, name in ((hyper_connection_triton, "hc_prenorm"), (norm_triton, "gated_rms_norm")):
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
     # the dispatchers take tensors where the kernels run (the GPU when there is one, else the interpreter)
@@ -89,7 +89,7 @@ def test_norm_rope_matches_norm_then_rope(dtype, tokens, heads, D, rot):
     output rotated in fp32 and rounded once (what the compiled rotation computes) up to an ulp where the rstd's last
     bits differ, and within the eager reference's bf16 rounding."""
     from qwen4exp.ops.rotary import apply_rope, rope_cos_sin
-    from qwen4exp.ops.triton_norm import rms_norm_rope
+    from qwen4exp.ops.rotary_triton import rms_norm_rope
 
     g = torch.Generator().manual_seed(tokens * heads + D)
     packed = (torch.randn(tokens, heads, 2 * D, generator=g) * 3).to(dtype)

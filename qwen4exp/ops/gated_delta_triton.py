@@ -18,39 +18,15 @@ Everything per request is read from device tensors and all shapes are fixed by B
 CUDA graph. Padding rows carry slot 0 (the null slot): they read and write slot 0 only, which may hold garbage.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .gated_delta import recurrent_gated_delta_rule_ref
-from .triton_pdl import launch_options, pdl_start
-
-# Triton decides at decoration time whether a kernel runs in its interpreter; the flag is fixed at import here alike.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ._triton_utils import INTERPRETED, launch_options, pdl_start, round_to_bf16
 
 # Below this many programs an H200 (132 SMs) is underfed, so small batches get narrower value tiles.
 _MIN_PROGRAMS = 128
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> nearest bf16 (ties to even), kept in fp32, for finite x. The bits are rounded by hand because the
-    interpreter's fp32 -> bf16 cast truncates; on the GPU this equals the cast."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr, BF16: tl.constexpr):
-    """x (fp32) rounded to the model dtype, kept in fp32 (bf16 by hand: the interpreter's casts truncate)."""
-    if BF16:
-        return _round_to_bf16(x)
-    else:
-        return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -77,7 +53,7 @@ def _token_step(
         g = neg_decay_rate * tl.where(x > 20.0, x, log1p_y)
         beta = tl.sigmoid(beta)
         if beta_ptr.dtype.element_ty == tl.bfloat16:
-            beta = _round_to_bf16(beta)
+            beta = round_to_bf16(beta)
         else:
             beta = beta.to(beta_ptr.dtype.element_ty).to(tl.float32)
     # Every value tile needs the full norms, so each program normalises its own copy of q and k.
@@ -147,7 +123,7 @@ def _is_pow2(n: int) -> bool:
 
 
 def _block_v(num_heads_total: int, dv: int) -> int:
-    # H200, Dv = 128 (bench/decode_kernels.py --parts gdn, us per call by width 8/16/32/64/128): 48 heads (batch 1)
+    # H200, Dv = 128, us per call by width 8/16/32/64/128: 48 heads (batch 1)
     # 4.4/3.9/3.8/4.0/5.7, 3072 heads (batch 64) 363/202/127/110/116
     bv = min(dv, 64)
     while bv > 8 and num_heads_total * (dv // bv) < _MIN_PROGRAMS:
@@ -198,7 +174,7 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         *inter_strides,
         dk ** -0.5,
         L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
-        RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, INTERPRETED=_INTERPRETED,
+        RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, INTERPRETED=INTERPRETED,
         num_warps=_num_warps(dk, bv), **launch_options(q)
     )
     return out
@@ -244,42 +220,3 @@ def fused_recurrent_gated_delta_rule_raw(
     computed inside the kernel: the gate kernels' launches disappear from the decode step."""
     return _launch(q, k, v, a, b, (A_log, dt_bias), ssm_state, state_slots, has_initial_state, num_tokens_per_req,
                    intermediate_states, block_v, query_start_loc)
-
-
-def fused_recurrent_gated_delta_rule_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    num_tokens_per_req: int = 1,
-    intermediate_states: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Torch definition of the same contract, vectorised over the batch (and itself free of host syncs).
-
-    The batch is folded into the head axis (request b, value head h -> head b*Hv + h, whose q/k head b*Hk + h//r is
-    exactly what the grouped-head rule of recurrent_gated_delta_rule_ref picks), so that reference runs unchanged.
-    """
-    total, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    L, B = num_tokens_per_req, state_slots.shape[0]
-
-    def fold(x):  # [B*L, H, ...] -> [L, B*H, ...]
-        return x.reshape(B, L, *x.shape[1:]).transpose(0, 1).flatten(1, 2)
-
-    q, k, v, g, beta = (fold(x) for x in (q, k, v, g, beta))
-    init = ssm_state[state_slots]
-    state = torch.where(has_initial_state.bool()[:, None, None, None], init, torch.zeros_like(init))
-    state = state.reshape(B * hv, dk, dv)
-    outs = []
-    for t in range(L):  # token by token only to expose the intermediate states
-        o, state = recurrent_gated_delta_rule_ref(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
-        outs.append(o[0])
-        if intermediate_states is not None:
-            intermediate_states[:, t] = state.reshape(B, hv, dk, dv)
-    ssm_state[state_slots] = state.reshape(B, hv, dk, dv)
-    out = torch.stack(outs).reshape(L, B, hv, dv).transpose(0, 1).reshape(total, hv, dv)
-    return out.to(v.dtype)

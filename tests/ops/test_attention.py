@@ -15,17 +15,20 @@ import pytest
 
 pytest.importorskip("triton")
 
+from kernel_references import sparse_paged_attention_ref
+
 from qwen4exp.model.metadata import StepMetadata, build_q_tiles
 from qwen4exp.ops import attention as ref_ops
-from qwen4exp.ops.triton_attention import (
+from qwen4exp.ops import tuning
+from qwen4exp.ops.attention_triton import (
     default_num_splits,
     prefill_paged_attention,
     prefill_tile_config,
     prefill_tile_tokens,
     sparse_paged_attention,
-    sparse_paged_attention_ref,
     write_rows,
 )
+from qwen4exp.ops.qsa import qsa_select_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -121,7 +124,7 @@ def test_selected_from_qsa_select(page, group, splits):
     g = torch.Generator().manual_seed(2)
     block_key = torch.randn(b["key_cache"].shape[0], page // C, Di, generator=g).to(DEVICE)
     index_q = torch.randn(b["q"].shape[0], Hi, Di, generator=g).to(DEVICE)
-    selected = ref_ops.qsa_select_ref(index_q, block_key, b["block_tables"], b["qsl"], b["ctx"], budget, C)
+    selected = qsa_select_ref(index_q, block_key, b["block_tables"], b["qsl"], b["ctx"], budget, C)
     assert (selected >= 0).sum(1).max() > budget  # some rows are truly sparse: top blocks + tail
     scale = 32**-0.5
     expected = reference(b, scale, selected)
@@ -366,14 +369,14 @@ def test_prefill_dispatch(monkeypatch):
     meta.block_tables, meta.token_req, meta.token_pos = b["block_tables"], b["token_req"], b["token_pos"]
     scale = 0.125
     calls = []
-    from qwen4exp.ops import triton_attention
+    from qwen4exp.ops import attention_triton
 
-    real = triton_attention.prefill_paged_attention
-    monkeypatch.setattr(triton_attention, "prefill_paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(ref_ops, "PREFILL_KERNEL_MIN_TOKENS", meta.num_tokens + 1)
+    real = attention_triton.prefill_paged_attention
+    monkeypatch.setattr(attention_triton, "prefill_paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(tuning, "PREFILL_ATTN_MIN_TOKENS", meta.num_tokens + 1)
     default = ref_ops.paged_attention(b["q"], b["key_cache"], b["value_cache"], meta, scale)
     assert not calls  # a step below the threshold keeps the per-token kernel
-    monkeypatch.setattr(ref_ops, "PREFILL_KERNEL_MIN_TOKENS", 64)
+    monkeypatch.setattr(tuning, "PREFILL_ATTN_MIN_TOKENS", 64)
     out = ref_ops.paged_attention(b["q"], b["key_cache"], b["value_cache"], meta, scale)
     assert calls
     torch.testing.assert_close(out.float(), default.float(), atol=2e-2, rtol=2e-2)

@@ -12,10 +12,9 @@ pytest.importorskip("triton")
 
 from conftest import on_device
 
+from qwen4exp.ops.moe import grouped_mm_available, grouped_moe
 from qwen4exp.ops.moe import moe_experts_ref as moe_experts
-from qwen4exp.ops.moe_grouped import grouped_mm_available, grouped_moe
-from qwen4exp.ops.triton_moe import (MoEConfig, Tile, fused_moe, get_config, moe_align, moe_align_triton,
-                                     pairwise_moe)
+from qwen4exp.ops.moe_triton import MoEConfig, Tile, fused_moe, get_config, moe_align, moe_align_triton, pairwise_moe
 
 fused_moe = on_device(fused_moe)
 pairwise_moe = on_device(pairwise_moe)
@@ -174,7 +173,9 @@ def test_pairwise_moe_matches_reference(n, k, e):
                                                  (False, False, True)])
 @pytest.mark.parametrize("block", [None, 512, 1024])  # the default (256 columns at 5 tokens), overrides
 def test_sum_pairs_matches_reference(dtype, rows, weights, shared, block):
-    from qwen4exp.ops.triton_moe import sum_pairs, sum_pairs_ref
+    from kernel_references import sum_pairs_ref
+
+    from qwen4exp.ops.moe_triton import sum_pairs
 
     n, k, h = 5, 3, 1100  # two or three hidden tiles, the last ragged
     g = torch.Generator().manual_seed(11)
@@ -213,7 +214,7 @@ def test_experts_add_the_gated_shared_expert(path):
 @pytest.mark.parametrize("num_experts,top_k,renormalize", [(128, 10, True), (8, 2, False), (100, 3, True)])
 def test_fused_route_matches_reference(dtype, num_experts, top_k, renormalize):
     from qwen4exp.ops.moe import route_ref
-    from qwen4exp.ops.triton_moe import route_triton
+    from qwen4exp.ops.moe_triton import route_triton
 
     g = torch.Generator().manual_seed(num_experts)
     # distinct values (multiples of 1/16, exact in bf16): which of two equal probabilities top-k takes is unspecified
@@ -249,7 +250,7 @@ def test_silu_mul_halves_matches_eager_silu_mul(dtype):
     """The grouped experts' activation: silu of the first half times the second, rounded as eager rounds (bf16
     bit for bit), from rows of a wider buffer, with row and column tails."""
     from qwen4exp.ops.moe import silu_mul
-    from qwen4exp.ops.triton_moe import silu_mul_halves
+    from qwen4exp.ops.moe_triton import silu_mul_halves
 
     g = torch.Generator().manual_seed(4)
     buf = (torch.randn(45, 2 * 200 + 24, generator=g) * 3).to(dtype)
@@ -268,7 +269,7 @@ def test_shared_expert_on_a_side_stream_is_joined_eagerly_and_in_graphs():
     equals computing it in line bit for bit, eagerly and replayed from a CUDA graph with new inputs (an output read
     before the side stream wrote it would differ; an unjoined side stream fails the capture)."""
     from qwen4exp.ops import moe
-    from qwen4exp.ops.triton_moe import fused_moe as fused_in_line
+    from qwen4exp.ops.moe_triton import fused_moe as fused_in_line
 
     n, h, i, e, k, si = 64, 256, 128, 32, 4, 96
     g = torch.Generator().manual_seed(11)
@@ -305,8 +306,9 @@ def test_shared_expert_on_a_side_stream_is_joined_eagerly_and_in_graphs():
 def test_sort_pairs_is_the_stable_expert_order(tokens, top_k, experts, skew):
     """The grouped path's counting sort (three launches; several 1024-pair blocks here) gives exactly torch's stable
     argsort, the group ends and the inverse permutation, with experts left empty and runs crossing blocks."""
-    from qwen4exp.ops.moe_grouped import sort_pairs_ref
-    from qwen4exp.ops.triton_moe import sort_pairs
+    from kernel_references import sort_pairs_ref
+
+    from qwen4exp.ops.moe_triton import sort_pairs
 
     g = torch.Generator().manual_seed(tokens + experts)
     if skew:  # most pairs on two experts, some experts unused
@@ -327,8 +329,9 @@ def test_sort_pairs_is_the_stable_expert_order(tokens, top_k, experts, skew):
 def test_spread_rows_is_the_gather_in_expert_order(tokens, top_k, hidden, block, dtype):
     """The grouped GEMM's input, written token by token to each pair's sorted row (ragged last column tile here),
     equals the gather x[order // top_k] bit for bit."""
-    from qwen4exp.ops.moe_grouped import sort_pairs_ref
-    from qwen4exp.ops.triton_moe import spread_rows
+    from kernel_references import sort_pairs_ref
+
+    from qwen4exp.ops.moe_triton import spread_rows
 
     g = torch.Generator().manual_seed(tokens + hidden)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)

@@ -9,8 +9,8 @@ pytest.importorskip("triton")
 from conftest import on_device
 
 from qwen4exp.ops.hyper_connection import hc_combine, hc_mix_ref
+from qwen4exp.ops.hyper_connection_triton import hc_mix_decode, hc_prenorm, supported
 from qwen4exp.ops.norm import rms_norm
-from qwen4exp.ops.triton_hc import hc_mix_decode, hc_prenorm, supported
 
 hc_mix_decode = on_device(hc_mix_decode)
 
@@ -43,17 +43,32 @@ def test_matches_reference(dtype, tokens, hidden, rank, inject, tiles):
         assert inj is None
 
 
-def test_dispatch_takes_single_tokens_only():
-    # two tokens and up measured slower than the compiled reference on an H200 (bench/decode_kernels.py)
+def test_dispatch_takes_the_decode_kernels_up_to_the_token_threshold(monkeypatch):
+    """hc_mix runs the two decode launches up to tuning.HC_DECODE_MAX_TOKENS tokens and the norm pass beyond it; a
+    stream width whose blocks would straddle streams never takes the decode kernels."""
+    from qwen4exp import ops
+    from qwen4exp.ops import hyper_connection, hyper_connection_triton
+
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    calls = []
+    real = hyper_connection_triton.hc_mix_decode
+    monkeypatch.setattr(hyper_connection_triton, "hc_mix_decode", lambda *a, **k: calls.append(a[0].shape[0]) or
+                        real(*a, **k))
+    hc, hidden, rank = 4, 64, 16
+    w_di, w_up = torch.zeros(24, hc * hidden), torch.zeros(hc * hidden, rank)
+    limit = ops.tuning.HC_DECODE_MAX_TOKENS
+    for tokens in (limit, limit + 1):
+        hyper_connection.hc_mix(torch.ones(tokens, hc * hidden), torch.zeros(hc * hidden), w_di, w_up, 1e-6, hc, rank,
+                                True)
+    assert calls == [limit]
     assert supported(torch.zeros(1, 4 * 64), 4)
-    assert not supported(torch.zeros(2, 4 * 64), 4)
     assert not supported(torch.zeros(1, 4 * 60), 4)  # blocks of 60 / 2^k < 16 would straddle streams
 
 
 def test_repeated_calls_rearm_the_arrival_counters():
     """The last program of each row block resets its counter: a second call (as a graph replay would make) with new
     inputs gives the new inputs' result, and the counters are left at zero."""
-    from qwen4exp.ops.triton_hc import _counters
+    from qwen4exp.ops.hyper_connection_triton import _counters
 
     hc, hidden, rank = 4, 64, 16
     g = torch.Generator().manual_seed(7)

@@ -1,0 +1,56 @@
+"""Size thresholds between the implementations of an op on the GPU, each with the measurement that set it (one
+H200, bf16, flash-next widths: 2560 hidden, 4 streams, 128 experts of 640, top-10). Every number here is a choice
+between two correct implementations: moving one changes speed, never results beyond rounding. The kernel benchmarks
+re-measure them: `python benchmarks/kernels/bench_<op>.py`.
+"""
+
+# ---- projections (ops.linear) ----
+
+# Tokens up to which a bias-free projection runs as the Triton GEMV (linear_triton.gemv) instead of cuBLAS.
+# At 1 token, us a call (GEMV / cuBLAS): router + shared expert [1416, 2560] 3.7 / 8.2, GDN in_proj [16480, 2560]
+# 20.5 / 22.9, attention q/k/v + indexer [13952, 2560] 18.2 / 20.7, out_proj [2560, 6144] 9.4 / 12.1. From 2 tokens
+# cuBLAS was faster at every one of these shapes.
+GEMV_MAX_TOKENS = 1
+
+# Tokens (from 2) up to which a projection whose reader can sum fp32 partial products over slices of K produces
+# them (one batched GEMM, `linear.partial_products`) instead of cuBLAS's split-K GEMM plus its reduce kernel.
+PARTIALS_MAX_TOKENS = 128
+# The blocks' output projections (GDN out_proj, attention o_proj, [2560, 6144]) as this many partials, summed by
+# the next hyper-connection mix's combine + norm pass; us for out_proj + that pass: 2 tokens 13.23 -> 12.89,
+# 64: 15.36 -> 14.91, 128: 17.09 -> 15.60.
+OUTPUT_SPLITS = 2
+# The hyper-connection mix's down projection ([328, 10240]) as this many partials, summed by its activation; us for
+# the whole mix after its norm (one GEMM + reduce / 16 partials): 2 tokens 12.81 / 11.02, 64: 14.12 / 12.40,
+# 128: 15.83 / 14.47 (8 and 32 partials were slower at 64 tokens: 12.83, 12.77).
+DOWN_SPLITS = 16
+
+# ---- hyper-connections (ops.hyper_connection) ----
+
+# Tokens up to which the mix runs as two Triton launches (hyper_connection_triton.hc_mix_decode) instead of the
+# compiled form: 1 token 11.1 / 14.6 us a call, 2 tokens 17.7 / 14.8.
+HC_DECODE_MAX_TOKENS = 1
+
+# ---- norms (ops.norm) ----
+
+# Tokens from which the GDN output norm and the grouped (per-stream) norms run as one Triton pass instead of
+# inductor's compiled reduction. At 8k tokens the compiled gated norm took 238 us a layer (~70 at bandwidth) and
+# the grouped norm 97 + 533 us a call (~80). At 256 tokens, compiled / Triton: gated norm 4.40 / 4.84 us, grouped
+# norm 6.06 / 3.88; below it the compiled forms run at launch latency.
+TRITON_NORM_MIN_TOKENS = 256
+
+# ---- attention (ops.attention) ----
+
+# Tokens from which a dense step with prefill chunks runs the flash-style prefill kernel
+# (attention_triton.prefill_paged_attention) instead of the per-token split-K kernel: 4.3x faster at 8 x 1024 new
+# tokens, 6.1x at 1 x 8192 (24 query heads, 2 kv heads, head dim 256).
+PREFILL_ATTN_MIN_TOKENS = 512
+
+# ---- routed experts (ops.moe) ----
+
+# (token, expert) pairs up to which each pair is one GEMV-style program (moe_triton.pairwise_moe: no sort, three
+# launches) instead of the sorted-pairs fused kernels: at decode batch sizes experts are rarely shared, and the sort
+# is a dozen small launches a layer. 96 pairs is batch 9 at top-10.
+PAIRWISE_MAX_PAIRS = 96
+# Pairs from which the experts run through torch's grouped GEMM (CUTLASS, bf16, Hopper) over the pairs sorted by
+# expert instead of the fused Triton kernels. 4096 pairs is 410 tokens at top-10.
+GROUPED_MM_MIN_PAIRS = 4096
