@@ -38,11 +38,10 @@ from qwen4exp.engine.runner import RequestChunk  # noqa: E402
 
 
 def engine(cfg, dtype: str, weights: dict | None = None) -> LLMEngine:
-    ecfg = EngineConfig(max_model_len=1024, num_pages=300, page_size=16, max_num_seqs=8)
-    if weights is None:
-        return LLMEngine(None, ecfg, dtype=dtype, device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
-    return LLMEngine(None, ecfg, dtype=dtype, device="cpu", model_config=cfg, tokenizer=None,
-                     weights=iter(weights.items()))
+    ecfg = EngineConfig(max_model_len=1024, num_pages=300, page_size=16, max_num_seqs=8, dtype=dtype, device="cpu",
+                        load_format="dummy" if weights is None else "auto")
+    return LLMEngine(None, ecfg, model_config=cfg, tokenizer=None,
+                     weights=None if weights is None else iter(weights.items()))
 
 
 def logits(eng: LLMEngine, seqs: list[list[int]]) -> torch.Tensor:

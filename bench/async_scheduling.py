@@ -33,9 +33,9 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ecfg = EngineConfig(max_model_len=33 * 1024, max_num_seqs=64, max_num_batched_tokens=8192,
-                        gpu_memory_utilization=0.92, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
-    engine = LLMEngine(None, ecfg, dtype="bfloat16", device="cuda", load_format="dummy",
-                       model_config=preset("flash-next-128e"), tokenizer=None)
+                        gpu_memory_utilization=0.92, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64],
+                        dtype="bfloat16", device="cuda", load_format="dummy")
+    engine = LLMEngine(None, ecfg, model_config=preset("flash-next-128e"), tokenizer=None)
     runs = []
     for r in range(args.rounds):
         for mode in (True, False):  # the engine reads the flag at every step; nothing is in flight between runs

@@ -93,9 +93,9 @@ def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: i
     def engine(dtype, dev, w, **kw):
         # a small step budget: the GPU engine's warm-up compiles prefill shapes up to it, and the longest step here
         # is one whole sequence on the CPU
-        ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, max_num_batched_tokens=1024, **kw)
-        return LLMEngine(None, ecfg, dtype=dtype, device=dev, model_config=cfg, tokenizer=None,
-                         weights=iter(w.items()))
+        ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
+                            dtype=dtype, device=dev, **kw)
+        return LLMEngine(None, ecfg, model_config=cfg, tokenizer=None, weights=iter(w.items()))
 
     cpu = engine("float32", "cpu", weights, num_pages=300)
     gpu = engine("bfloat16", device, weights, num_pages=200, cuda_graph_sizes=[1, 2, 4])
@@ -152,8 +152,9 @@ def stage_agree(results, device):
     """Random `small` weights, random tokens: GPU bf16 (eager prefill + graph decode) vs CPU fp32 reference."""
     cfg = preset("small")
     torch.manual_seed(0)
-    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=80, page_size=16, max_num_seqs=1),
-                      dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
+    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=80, page_size=16, max_num_seqs=1,
+                                         dtype="float32", device="cpu", load_format="dummy"),
+                      model_config=cfg, tokenizer=None)
     weights = {n: t.detach() for n, t in dummy.model.state_dict().items()}
     del dummy
     gen = torch.Generator().manual_seed(1)
@@ -202,10 +203,10 @@ def stage_ours(results, device, quick=False):
     cfg = preset("flash-next-128e")
     # the step budget is the device's default for LLM (16384 on an H200), as a user's engine gets it
     ecfg = EngineConfig(max_model_len=33 * 1024, max_num_seqs=64,
-                        gpu_memory_utilization=0.92, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
+                        gpu_memory_utilization=0.92, cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64],
+                        dtype="bfloat16", device=device, load_format="dummy")
     t0 = time.perf_counter()
-    engine = LLMEngine(None, ecfg, dtype="bfloat16", device=device, load_format="dummy", model_config=cfg,
-                       tokenizer=None)
+    engine = LLMEngine(None, ecfg, model_config=cfg, tokenizer=None)
     log(f"engine ready in {time.perf_counter() - t0:.1f}s; cache {engine.cache.pages.num_usable} pages")
     r = results.setdefault("ours", {})
     r["startup_s"] = time.perf_counter() - t0

@@ -40,9 +40,9 @@ def main():
         json.dump(preset_config("tiny"), f)
     cfg = load_model_config(d)
     engine = LLMEngine(None, EngineConfig(max_model_len=args.prompt + args.output + 16, max_num_seqs=args.requests,
-                                          max_num_batched_tokens=8192),
-                       dtype="float32", device=torch.device("cpu"), load_format="dummy", model_config=cfg,
-                       tokenizer=None)
+                                          max_num_batched_tokens=8192, dtype="float32", device="cpu",
+                                          load_format="dummy"),
+                       model_config=cfg, tokenizer=None)
     logits = torch.randn(args.requests, args.vocab)
 
     def stub(chunks, pending_ids=None):  # one logits row per wanted position, as the runner returns

@@ -78,11 +78,11 @@ def measure(where: str, cfg, args) -> dict:
 
     ecfg = EngineConfig(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=8192,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64], ple_table_device=where, ple_table_dtype="fp8")
+                        cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64], ple_table_device=where, ple_table_dtype="fp8",
+                        dtype="bfloat16", device="cuda", load_format="dummy")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    engine = LLMEngine(None, ecfg, dtype="bfloat16", device="cuda", load_format="dummy", model_config=cfg,
-                       tokenizer=None)
+    engine = LLMEngine(None, ecfg, model_config=cfg, tokenizer=None)
     r = {"startup_s": time.perf_counter() - t0, "ple_table_device": where}
     params = dict(engine.model.named_parameters())
     tables = [params[n] for n in table_names(engine.model)]

@@ -662,10 +662,10 @@ def main():
     cfg = preset(args.preset)
     ecfg = EngineConfig(max_model_len=min(33 * 1024, cfg.max_position_embeddings), max_num_seqs=64,
                         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.92,
-                        cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
+                        cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64], dtype="bfloat16", device=args.device,
+                        load_format="dummy")
     t0 = time.perf_counter()
-    engine = LLMEngine(None, ecfg, dtype="bfloat16", device=torch.device(args.device), load_format="dummy",
-                       model_config=cfg, tokenizer=None)
+    engine = LLMEngine(None, ecfg, model_config=cfg, tokenizer=None)
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
     results = {"startup_s": time.perf_counter() - t0, "device": device_name}
     parts = args.parts.split(",")

@@ -33,8 +33,8 @@ def main():
         json.dump(preset_config("flash-next-128e", eos_token_id=0, dtype="bfloat16"), f)
     t0 = time.perf_counter()
     # as `qwen4exp bench throughput` builds it (bench/ab_throughput.sh)
-    engine = LLMEngine(model, EngineConfig(max_model_len=4096, max_num_seqs=a.num_prompts), dtype="bfloat16",
-                       device="cuda", load_format="dummy")
+    engine = LLMEngine(model, EngineConfig(max_model_len=4096, max_num_seqs=a.num_prompts, dtype="bfloat16",
+                                           device="cuda", load_format="dummy"))
     out = {"startup_s": time.perf_counter() - t0}
     for run in (1, 2):
         with CompileLog() as cl:

@@ -7,9 +7,13 @@ checked again here so that errors name the offending field whatever transformers
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import typing
 from dataclasses import dataclass, field, fields
+
+from .weights.ngram_table import TABLE_DEVICES, TABLE_DTYPES
 
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
@@ -363,42 +367,106 @@ def default_max_num_batched_tokens(device, server: bool) -> int:
     return 2048 if server else 8192
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Limits and runtime choices of one engine instance (vLLM's names)."""
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
-    max_model_len: int = 4096
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: the device's default (default_max_num_batched_tokens)
-    page_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    cpu_cache_bytes: int = 1 << 30
-    num_pages: int | None = None  # explicit override (tests)
-    max_queued_requests: int | None = None
-    enforce_eager: bool = False
-    # launch step n+1 before reading step n's samples; None: on for CUDA (on the CPU there is nothing to overlap)
-    async_scheduling: bool | None = None
-    cuda_graph_sizes: list[int] | None = None  # decode batch-size buckets (default: 1, 2, 4, 8, 16, 24, ...)
-    seed: int = 0
-    ple_table_device: str = "auto"  # n-gram tables: auto, gpu (with the model) or cpu (page-locked host memory)
-    ple_table_dtype: str = "auto"  # auto (the checkpoint's fp8, else the model dtype), bfloat16, float16, float32, fp8
+
+def _option(default, help: str, choices: tuple | None = None):
+    """An engine option: its default, its `--help` text and, where the values are a fixed set, their choices."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Every option of one engine instance, with vLLM's names. The command line's engine flags are generated from
+    these fields (`add_cli_args`), so `serve`, `generate` and `bench` share one set of flags and defaults."""
+
+    dtype: str = _option("auto", "weights and activations dtype; float and half are aliases of float32 and float16 "
+                                 "(auto: the checkpoint's dtype on a GPU, float32 on the CPU)", DTYPES)
+    device: str | None = _option(None, "cuda, cuda:N or cpu (default: cuda when available)")
+    load_format: str = _option("auto", "auto and safetensors read the checkpoint's weights; dummy fills random "
+                                       "weights and reads only config.json", LOAD_FORMATS)
+    max_model_len: int = _option(4096, "the longest sequence (prompt + output) in tokens")
+    max_num_seqs: int = _option(64, "the most sequences in one batch")
+    max_num_batched_tokens: int | None = _option(
+        None, "tokens per step (default: vLLM 0.33's for the device, smaller for the OpenAI server than offline: "
+              "8192 and 16384 on an H100 or H200, 2048 and 4096 on the CPU)")
+    page_size: int = _option(16, "tokens per KV cache page")
+    gpu_memory_utilization: float = _option(0.9, "fraction of the GPU's memory the engine may use (weights and cache)")
+    cpu_cache_bytes: int = _option(1 << 30, "KV cache and state budget in bytes when running on the CPU")
+    num_pages: int | None = _option(None, "KV cache pages to allocate (default: as many as the memory budget holds)")
+    enforce_eager: bool = _option(False, "run every step eagerly, without CUDA graphs")
+    async_scheduling: bool | None = _option(
+        None, "launch each step before the previous step's sampled ids are read, overlapping the host's bookkeeping "
+              "with the GPU (default: on for CUDA; on the CPU there is nothing to overlap)")
+    cuda_graph_sizes: list[int] | None = _option(
+        None, "decode batch sizes captured as CUDA graphs (default: 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs)")
+    seed: int = _option(0, "random seed of dummy weights and of sampling without a per-request seed")
+    ple_table_device: str = _option(
+        "auto", "where the PLE n-gram tables live: with the model on the GPU, or in page-locked host memory read row "
+                "by row (auto: the GPU when all weights leave 10% of the memory budget free)", TABLE_DEVICES)
+    ple_table_dtype: str = _option(
+        "auto", "n-gram table storage; fp8 is e4m3 with one scale per table (auto: the checkpoint's fp8, else the "
+                "model dtype)", TABLE_DTYPES)
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
+        # the Python API also takes torch.dtype / torch.device objects; the config keeps their names
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        if self.device is not None and not isinstance(self.device, str):
+            object.__setattr__(self, "device", str(self.device))
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f.name, f"must be one of {', '.join(choices)}, got {value!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "cpu_cache_bytes",
+                     "num_pages"):
             value = getattr(self, name)
-            if value is None and name == "max_num_batched_tokens":
+            if value is None and name in ("max_num_batched_tokens", "num_pages"):
                 continue
-            if not isinstance(value, int) or value <= 0:
+            if not _positive_int(value):
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError("seed", f"must be an integer, got {self.seed!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ConfigError("max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
-        from .weights.ngram_table import TABLE_DEVICES, TABLE_DTYPES
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and (not sizes or not all(_positive_int(n) for n in sizes)):
+            raise ConfigError("cuda_graph_sizes", f"must be a non-empty list of positive integers, got {sizes!r}")
+        if self.device is not None:
+            import torch
 
-        if self.ple_table_device not in TABLE_DEVICES:
-            raise ConfigError("ple_table_device",
-                              f"must be one of {', '.join(TABLE_DEVICES)}, got {self.ple_table_device!r}")
-        if self.ple_table_dtype not in TABLE_DTYPES:
-            raise ConfigError("ple_table_dtype",
-                              f"must be one of {', '.join(TABLE_DTYPES)}, got {self.ple_table_dtype!r}")
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ConfigError("device", f"expected cuda, cuda:N or cpu, got {self.device!r}") from None
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+        """One flag per field: `--max-model-len` for `max_model_len`, `--x/--no-x` for booleans, the field's choices
+        and help. Values are checked when `from_cli_args` builds the config, so errors name the field."""
+        group = parser.add_argument_group("engine options")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+            text = f.metadata["help"].replace("%", "%%")
+            if f.default is not None:
+                text += " (default: %(default)s)"
+            kw = dict(dest=f.name, default=f.default, help=text)
+            if kind is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(kind) is list:
+                kw.update(type=typing.get_args(kind)[0], nargs="+")
+            else:
+                kw.update(type=kind, choices=f.metadata["choices"])
+            group.add_argument("--" + f.name.replace("_", "-"), **kw)
+        return group
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

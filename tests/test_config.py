@@ -92,7 +92,11 @@ def test_missing_config_file(tmp_path):
 @pytest.mark.parametrize("over, field", [(dict(max_model_len=0), "max_model_len"),
                                          (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
                                          (dict(max_num_seqs=-1), "max_num_seqs"),
-                                         (dict(max_num_batched_tokens=0), "max_num_batched_tokens")])
+                                         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+                                         (dict(dtype="int8"), "dtype"), (dict(device="gpu"), "device"),
+                                         (dict(load_format="gguf"), "load_format"),
+                                         (dict(cuda_graph_sizes=[4, 0]), "cuda_graph_sizes"),
+                                         (dict(num_pages=0), "num_pages"), (dict(page_size=1.5), "page_size")])
 def test_engine_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**over)
@@ -138,10 +142,8 @@ def test_default_step_budget_per_gpu_is_vllms(monkeypatch, name, gib, capability
 def test_default_step_budget_on_the_cpu(tmp_path):
     """LLM() resolves the budget at start-up (4096 on the CPU, as vLLM's LLM class) and its scheduler uses it;
     `qwen4exp serve` gets the server's 2048, and an explicit --max-num-batched-tokens wins (0 names the field)."""
-    import argparse
-
     from qwen4exp import LLM, SamplingParams
-    from qwen4exp.entrypoints.serve_cli import _add_serve_args
+    from qwen4exp.entrypoints.cli import build_parser
     from qwen4exp.entrypoints.server import engine_config_from_args
     from qwen4exp.weights.random_checkpoint import make_random
 
@@ -154,11 +156,11 @@ def test_default_step_budget_on_the_cpu(tmp_path):
     assert len(out.outputs[0].token_ids) == 1
     assert [s.num_tokens for s in steps if s.num_tokens] == [4096, 4]
 
-    parser = argparse.ArgumentParser()
-    _add_serve_args(parser)
-    args = parser.parse_args([str(tmp_path), "--device", "cpu"])
-    assert engine_config_from_args(args)[1].max_num_batched_tokens == 2048
-    args = parser.parse_args([str(tmp_path), "--device", "cpu", "--max-num-batched-tokens", "512"])
-    assert engine_config_from_args(args)[1].max_num_batched_tokens == 512
+    parser = build_parser()
+    args = parser.parse_args(["serve", str(tmp_path), "--device", "cpu"])
+    assert engine_config_from_args(args).max_num_batched_tokens == 2048
+    args = parser.parse_args(["serve", str(tmp_path), "--device", "cpu", "--max-num-batched-tokens", "512"])
+    assert engine_config_from_args(args).max_num_batched_tokens == 512
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
-        engine_config_from_args(parser.parse_args([str(tmp_path), "--device", "cpu", "--max-num-batched-tokens", "0"]))
+        engine_config_from_args(parser.parse_args(["serve", str(tmp_path), "--device", "cpu",
+                                                   "--max-num-batched-tokens", "0"]))

@@ -54,9 +54,8 @@ class Live:
 
 @pytest.fixture(scope="session")
 def live(tiny_dir):
-    engine = LLMEngine(tiny_dir, EngineConfig(**LIMITS, max_queued_requests=MAX_QUEUED), dtype="float32",
-                       device="cpu")
-    async_engine = AsyncEngine(engine).start()
+    engine = LLMEngine(tiny_dir, EngineConfig(**LIMITS, dtype="float32", device="cpu"))
+    async_engine = AsyncEngine(engine, max_queued_requests=MAX_QUEUED).start()
     app = build_app(async_engine, MODEL, max_model_len=MAX_LEN, model_path=tiny_dir)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import json
 
-from ..entrypoints.serve_cli import add_async_scheduling_arg, add_ple_table_args
+from ..config import EngineConfig
+from ..entrypoints.cli import add_model_option
 
 
 def _engine(args):
-    from ..config import EngineConfig
     from ..engine.engine import LLMEngine
+    from ..entrypoints.cli import resolve_model
 
-    cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-                       gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                       ple_table_device=args.ple_table_device, ple_table_dtype=args.ple_table_dtype,
-                       async_scheduling=args.async_scheduling)
-    return LLMEngine(args.model, cfg, dtype=args.dtype, device=args.device, load_format=args.load_format)
+    config = EngineConfig.from_cli_args(args)
+    return LLMEngine(resolve_model(args.model), config)
 
 
 def _emit(args, result: dict) -> None:
@@ -50,27 +47,16 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     for name, fn in (("latency", _latency), ("throughput", _throughput)):
         p = bench.add_parser(name)
-        p.add_argument("--model", required=True)
-        p.add_argument("--dtype", default="auto")
-        p.add_argument("--device", default=None)
-        p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+        add_model_option(p)
         p.add_argument("--input-len", type=int, default=32)
         p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--max-model-len", type=int, default=4096)
-        p.add_argument("--max-num-seqs", type=int, default=256)
-        p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="tokens per step (default: the LLM class's, as vLLM's: 16384 on H100/H200-class GPUs)")
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        p.add_argument("--enforce-eager", action="store_true")
-        add_async_scheduling_arg(p)
-        add_ple_table_args(p)
-        p.add_argument("--seed", type=int, default=0)
         p.add_argument("--output-json", default=None)
         if name == "latency":
             p.add_argument("--batch-size", type=int, default=1)
             p.add_argument("--num-iters", type=int, default=3)
         else:
             p.add_argument("--num-prompts", type=int, default=64)
+        EngineConfig.add_cli_args(p)
         p.set_defaults(func=fn)
     p = bench.add_parser("serve", help="load test a running server (OpenAI completions API)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")

@@ -65,24 +65,22 @@ class LLMEngine:
         self,
         model: str | None,
         engine_config: EngineConfig | None = None,
-        dtype="auto",
-        device: str | None = None,
-        load_format: str = "auto",
         weights=None,
         tokenizer=None,
         model_config: ModelConfig | None = None,
     ):
-        self.device = resolve_device(device)
+        self.config = engine_config or EngineConfig()
+        self.device = resolve_device(self.config.device)
         self.model_config = model_config or load_model_config(model)
         mc = self.model_config
-        self.config = engine_config or EngineConfig()
         if self.config.max_num_batched_tokens is None:
             self.config = dataclasses.replace(
                 self.config, max_num_batched_tokens=default_max_num_batched_tokens(self.device, server=False))
             logger.info("max_num_batched_tokens=%d (this device's default)", self.config.max_num_batched_tokens)
-        self.dtype = resolve_dtype(dtype, mc, self.device)
+        self.dtype = resolve_dtype(self.config.dtype, mc, self.device)
         torch.manual_seed(self.config.seed)
-        self.model = load_model(mc, model, self.dtype, self.device, load_format, weights, seed=self.config.seed,
+        self.model = load_model(mc, model, self.dtype, self.device, self.config.load_format, weights,
+                                seed=self.config.seed,
                                 ple_table_device=self.config.ple_table_device,
                                 ple_table_dtype=self.config.ple_table_dtype,
                                 gpu_memory_utilization=self.config.gpu_memory_utilization)

@@ -79,8 +79,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None, health_timeout_s: float = 60.0,
                  idle_wait_s: float = 0.5):
         self.engine = engine
-        self.max_queued_requests = (max_queued_requests if max_queued_requests is not None
-                                    else engine.config.max_queued_requests)
+        self.max_queued_requests = max_queued_requests
         # a step longer than this (a huge prefill on a slow device) would read as a hung loop
         self.health_timeout_s = health_timeout_s
         self.idle_wait_s = idle_wait_s

@@ -1,10 +1,46 @@
-"""`qwen4exp` command line: make-random, generate, serve, bench."""
+"""`qwen4exp` command line: make-random, generate, serve, bench. Also `python -m qwen4exp`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
+import tempfile
+from dataclasses import asdict
+
+from ..config import EngineConfig
+
+logger = logging.getLogger("qwen4exp")
+
+
+def resolve_model(model: str | None) -> str:
+    """`model`, or without one a random-weight `tiny` checkpoint, built on first use into $QWEN4EXP_CACHE_DIR
+    (default ~/.cache/qwen4exp) and reused afterwards, so that `serve` and `generate` run on a fresh machine."""
+    if model is not None:
+        return model
+    root = os.environ.get("QWEN4EXP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "qwen4exp")
+    path = os.path.join(root, "tiny-random")
+    action = "using the"
+    if not os.path.isdir(path):
+        from ..weights.random_checkpoint import make_random
+
+        os.makedirs(root, exist_ok=True)
+        # built beside its final place and renamed into it, so an interrupted build leaves no partial checkpoint
+        tmp = tempfile.mkdtemp(prefix=".tiny-random-", dir=root)
+        try:
+            make_random(tmp, "tiny", dtype="float32")  # float32 runs on the CPU too
+            os.rename(tmp, path)
+            action = "built a"
+        except OSError:
+            if not os.path.isdir(path):  # else another process built it first
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("no model given: %s random-weight tiny model in %s (its output is gibberish); pass a checkpoint "
+                "directory (`qwen4exp serve MODEL`, `qwen4exp generate --model MODEL`) to run a real one", action, path)
+    return path
 
 
 def _make_random(args) -> None:
@@ -17,11 +53,10 @@ def _make_random(args) -> None:
 def _generate(args) -> None:
     from .. import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=args.seed,
-              load_format=args.load_format, ple_table_device=args.ple_table_device,
-              ple_table_dtype=args.ple_table_dtype)
+    config = EngineConfig.from_cli_args(args)  # bad options fail before a default model is built
+    llm = LLM(resolve_model(args.model), **asdict(config))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=config.seed)
     prompts = args.prompt or ["Hello"]
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -31,6 +66,12 @@ def _generate(args) -> None:
         print(f"--- prompt: {prompt!r}")
         print(out.outputs[0].text)
         print(f"--- {len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}")
+
+
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: a random-weight tiny model, built once into "
+                        "$QWEN4EXP_CACHE_DIR, default ~/.cache/qwen4exp)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,23 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     mr.set_defaults(func=_make_random)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("--model", required=True)
+    add_model_option(g)
     g.add_argument("--prompt", action="append", help="may be given several times")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--device", default=None)
-    g.add_argument("--max-model-len", type=int, default=4096)
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    EngineConfig.add_cli_args(g)
     g.set_defaults(func=_generate)
 
-    from .serve_cli import add_ple_table_args, add_serve_parser
-
-    add_ple_table_args(g)
+    from .serve_cli import add_serve_parser
 
     add_serve_parser(sub)
     from ..bench.cli import add_bench_parser

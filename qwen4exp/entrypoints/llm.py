@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import fields
 
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
@@ -11,36 +12,17 @@ from ..engine.request import RequestOutput, SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        device: str | None = None,
-        max_model_len: int = 4096,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        seed: int = 0,
-        load_format: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        cpu_cache_bytes: int = 1 << 30,
-        num_pages: int | None = None,
-        page_size: int = 16,
-        enforce_eager: bool = False,
-        async_scheduling: bool | None = None,
-        ple_table_device: str = "auto",
-        ple_table_dtype: str = "auto",
-        weights=None,
-        tokenizer=None,
-        model_config=None,
-    ):
-        config = EngineConfig(
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            seed=seed, gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
-            num_pages=num_pages, page_size=page_size, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, ple_table_device=ple_table_device, ple_table_dtype=ple_table_dtype,
-        )
-        self.llm_engine = LLMEngine(model, config, dtype=dtype, device=device, load_format=load_format,
-                                    weights=weights, tokenizer=tokenizer, model_config=model_config)
+    """`LLM(model, **engine_options)`: every EngineConfig field is a keyword (`dtype`, `device`, `max_model_len`,
+    ...). `weights` (an iterator of (name, tensor)), `tokenizer` and `model_config` hand the engine a model held in
+    memory instead of reading it from `model`."""
+
+    def __init__(self, model: str | None = None, *, weights=None, tokenizer=None, model_config=None, **kwargs):
+        unknown = sorted(set(kwargs) - {f.name for f in fields(EngineConfig)})
+        if unknown:
+            names = ", ".join(repr(n) for n in unknown)
+            raise TypeError(f"LLM() got unexpected keyword argument{'s' * (len(unknown) > 1)} {names}")
+        self.llm_engine = LLMEngine(model, EngineConfig(**kwargs), weights=weights, tokenizer=tokenizer,
+                                    model_config=model_config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -1,4 +1,4 @@
-"""`qwen4exp serve MODEL`: the OpenAI-compatible server, with vLLM's flag names.
+"""`qwen4exp serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names.
 
 Also runs standalone: `python -m qwen4exp.entrypoints.serve_cli MODEL --port 8000`.
 """
@@ -11,51 +11,28 @@ import sys
 
 from ..config import EngineConfig
 
-_DEFAULTS = EngineConfig()
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (config.json, safetensors, tokenizer); without it, a random-weight "
+                        "tiny model built once into $QWEN4EXP_CACHE_DIR (default ~/.cache/qwen4exp)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name clients pass as `model` (default: the model path); the first one is used")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
-    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len)
-    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default, as vLLM's server: 8192 on GPUs of 70-160 GiB but A100s, 16384 "
-                        "from 160 GiB, else 2048)")
-    p.add_argument("--max-queued-requests", type=int, default=None,
+    p.add_argument("--max-queued-requests", type=_non_negative_int, default=None,
                    help="answer 503 when more requests than this would wait for a seat in the batch")
-    p.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)
-    p.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS.gpu_memory_utilization)
-    p.add_argument("--cpu-cache-bytes", type=int, default=_DEFAULTS.cpu_cache_bytes,
-                   help="KV cache and state budget when running on the CPU")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--enforce-eager", action="store_true")
-    add_async_scheduling_arg(p)
-    add_ple_table_args(p)
-    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-
-
-def add_async_scheduling_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch each step before the previous step's sampled ids are read, overlapping the host's "
-                        "bookkeeping with the GPU (default: on for CUDA)")
-
-
-def add_ple_table_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ple-table-device", default="auto", choices=["auto", "gpu", "cpu"],
-                   help="where the PLE n-gram tables live: with the model on the GPU, or in page-locked host memory "
-                        "read row by row (auto: the GPU when all weights leave 10%% of the memory budget free)")
-    p.add_argument("--ple-table-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "fp8"],
-                   help="n-gram table storage; fp8 is e4m3 with one scale per table (auto: the checkpoint's fp8, "
-                        "else the model dtype)")
+    EngineConfig.add_cli_args(p)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:

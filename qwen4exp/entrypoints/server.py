@@ -7,6 +7,7 @@ only an engine failure is a 5xx. A request whose client goes away is aborted, wh
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
 from ..engine.request import RequestOutput
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from .openai_format import Formatter, usage
@@ -364,22 +366,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     return app
 
 
-def engine_config_from_args(args):
-    """(device, EngineConfig) of `qwen4exp serve`'s argparse `args`; the step budget defaults to the server's."""
-    from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
-
-    device = resolve_device(args.device)
-    budget = args.max_num_batched_tokens
-    if budget is None:
-        budget = default_max_num_batched_tokens(device, server=True)
-    return device, EngineConfig(
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=budget, page_size=args.page_size,
-        gpu_memory_utilization=args.gpu_memory_utilization, cpu_cache_bytes=args.cpu_cache_bytes,
-        max_queued_requests=args.max_queued_requests, enforce_eager=args.enforce_eager, seed=args.seed,
-        async_scheduling=args.async_scheduling, ple_table_device=args.ple_table_device,
-        ple_table_dtype=args.ple_table_dtype,
-    )
+def engine_config_from_args(args) -> EngineConfig:
+    """The EngineConfig of `qwen4exp serve`'s argparse `args`; the step budget defaults to the server's."""
+    config = EngineConfig.from_cli_args(args)
+    if config.max_num_batched_tokens is None:
+        budget = default_max_num_batched_tokens(resolve_device(config.device), server=True)
+        config = dataclasses.replace(config, max_num_batched_tokens=budget)
+    return config
 
 
 def run_server(args) -> None:
@@ -387,14 +380,16 @@ def run_server(args) -> None:
     import uvicorn
 
     from ..engine.engine import LLMEngine
+    from .cli import resolve_model
 
-    device, config = engine_config_from_args(args)
-    llm_engine = LLMEngine(args.model, config, dtype=args.dtype, device=device, load_format=args.load_format)
-    async_engine = AsyncEngine(llm_engine).start()
-    name = (args.served_model_name or [args.model])[0]
+    config = engine_config_from_args(args)
+    model = resolve_model(args.model)
+    llm_engine = LLMEngine(model, config)
+    async_engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests).start()
+    name = (args.served_model_name or [model])[0]
     app = build_app(async_engine, name, api_key=args.api_key, max_model_len=config.max_model_len,
-                    model_path=args.model)
-    logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", args.model, name, args.host, args.port)
+                    model_path=model)
+    logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", model, name, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:

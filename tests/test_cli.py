@@ -1,0 +1,145 @@
+"""The command line: one set of engine flags for serve, generate and bench, the LLM class's keywords, and the
+default random-weight model that `qwen4exp generate` and `qwen4exp serve` build when no model is given."""
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+import torch
+
+from qwen4exp import LLM
+from qwen4exp.config import ConfigError, EngineConfig
+from qwen4exp.entrypoints.cli import build_parser, main, resolve_model
+
+ENGINE_COMMANDS = [["serve"], ["generate"], ["bench", "latency"], ["bench", "throughput"]]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a value other than the default for every engine flag
+NON_DEFAULT_FLAGS = [
+    "--dtype", "half", "--device", "cpu", "--load-format", "dummy", "--max-model-len", "128", "--max-num-seqs", "3",
+    "--max-num-batched-tokens", "77", "--page-size", "8", "--gpu-memory-utilization", "0.5", "--cpu-cache-bytes",
+    "1000", "--num-pages", "9", "--enforce-eager", "--no-async-scheduling", "--cuda-graph-sizes", "1", "2", "--seed",
+    "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8",
+]
+
+
+def subparser(parser: argparse.ArgumentParser, command: list[str]) -> argparse.ArgumentParser:
+    for name in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+def engine_flags(parser: argparse.ArgumentParser) -> dict:
+    names = {f.name for f in fields(EngineConfig)}
+    return {a.dest: (tuple(a.option_strings), a.default, a.choices, a.nargs, a.type, type(a).__name__, a.help)
+            for a in parser._actions if a.dest in names}
+
+
+def test_every_engine_command_has_the_same_engine_flags_and_defaults():
+    parser = build_parser()
+    flags = [engine_flags(subparser(parser, cmd)) for cmd in ENGINE_COMMANDS]
+    assert set(flags[0]) == {f.name for f in fields(EngineConfig)}
+    assert all(f == flags[0] for f in flags[1:])
+    assert flags[0]["max_model_len"][0] == ("--max-model-len",)
+    assert flags[0]["async_scheduling"][0] == ("--async-scheduling", "--no-async-scheduling")
+    assert flags[0]["dtype"][2] == ("auto", "float32", "float", "bfloat16", "float16", "half")
+    for cmd in ENGINE_COMMANDS:  # no flags: EngineConfig's defaults (max_num_seqs 64 in bench too)
+        assert EngineConfig.from_cli_args(parser.parse_args(cmd)) == EngineConfig()
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=" ".join)
+def test_engine_flags_reach_the_config(command):
+    config = EngineConfig.from_cli_args(build_parser().parse_args(command + NON_DEFAULT_FLAGS))
+    assert config == EngineConfig(
+        dtype="half", device="cpu", load_format="dummy", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=77,
+        page_size=8, gpu_memory_utilization=0.5, cpu_cache_bytes=1000, num_pages=9, enforce_eager=True,
+        async_scheduling=False, cuda_graph_sizes=[1, 2], seed=5, ple_table_device="cpu", ple_table_dtype="fp8")
+    assert all(getattr(config, f.name) != f.default for f in fields(EngineConfig))
+
+
+@pytest.mark.parametrize("command", [[], ["make-random"]] + ENGINE_COMMANDS + [["bench", "serve"]], ids=" ".join)
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(command + ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: qwen4exp")
+    if command in ENGINE_COMMANDS:
+        assert "--max-model-len" in out and "--no-async-scheduling" in out and "(default: 64)" in out
+
+
+def test_llm_takes_every_engine_option_and_rejects_unknown_keywords():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'foo'"):
+        LLM(foo=1)
+    with pytest.raises(TypeError, match="'bar', 'foo'"):
+        LLM(max_model_len=64, foo=1, bar=2)
+    with pytest.raises(ConfigError, match="dtype"):
+        LLM(dtype="int8")
+
+
+def test_llm_keywords_become_the_engine_config(tmp_path):
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    make_random(str(tmp_path), "tiny", dtype="float32")
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", load_format="dummy", max_model_len=64, num_pages=20,
+              page_size=8, max_num_seqs=2, seed=3)
+    engine = llm.llm_engine
+    assert engine.dtype == torch.bfloat16 and engine.device == torch.device("cpu")
+    assert (engine.config.max_model_len, engine.config.max_num_seqs, engine.config.seed) == (64, 2, 3)
+    assert engine.cache.pages.num_pages == 20
+
+
+def test_bad_flag_values_name_the_field_before_a_model_is_built(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("QWEN4EXP_CACHE_DIR", str(tmp_path))
+    for argv, field in [(["generate", "--max-model-len", "0"], "max_model_len"),
+                        (["bench", "latency", "--num-pages", "-1"], "num_pages"),
+                        (["serve", "--gpu-memory-utilization", "2"], "gpu_memory_utilization"),
+                        (["serve", "--max-queued-requests", "-1"], "--max-queued-requests"),
+                        (["generate", "--dtype", "int8"], "--dtype")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert field in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupted_default_model_build_leaves_nothing(tmp_path, monkeypatch):
+    from qwen4exp.weights import random_checkpoint
+
+    def interrupted(out_dir, *args, **kwargs):
+        open(os.path.join(out_dir, "config.json"), "w").close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("QWEN4EXP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(random_checkpoint, "make_random", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(None)
+    assert os.listdir(tmp_path) == []
+    assert resolve_model(str(tmp_path / "given")) == str(tmp_path / "given")
+
+
+def test_python_m_qwen4exp_generate_builds_the_default_model_once(tmp_path):
+    """On a fresh machine `python -m qwen4exp generate` needs no checkpoint: the first run builds the random tiny
+    model into QWEN4EXP_CACHE_DIR, later runs reuse it."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "QWEN4EXP_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "qwen4exp", "generate", "--prompt", "hi", "--max-tokens", "4"]
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        runs.append(out)
+        if len(runs) == 1:
+            config = tmp_path / "cache" / "tiny-random" / "config.json"
+            built = config.stat().st_mtime_ns
+    lines = runs[0].stdout.splitlines()
+    assert lines[0] == "--- prompt: 'hi'" and lines[-1] == "--- 4 tokens, finish_reason=length"
+    assert runs[1].stdout == runs[0].stdout  # greedy on the same weights
+    assert os.listdir(tmp_path / "cache") == ["tiny-random"]
+    assert config.stat().st_mtime_ns == built
+    path = str(tmp_path / "cache" / "tiny-random")
+    assert f"built a random-weight tiny model in {path} (its output is gibberish)" in runs[0].stderr
+    assert f"using the random-weight tiny model in {path}" in runs[1].stderr
