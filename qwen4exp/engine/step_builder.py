@@ -155,7 +155,7 @@ class StepBuilder:
             flat += zeros[len(c.pages):]
         tables = np.fromiter(flat, dtype=np.int32, count=R * width).reshape(R, width)
 
-        if T == R:  # decodes only: one token per request
+        if num_decode == R:  # decodes only: one token per request
             token_req = np.arange(R)
             token_local = np.zeros(R, dtype=np.int64)
             positions = np.array(ctx, dtype=np.int64)
