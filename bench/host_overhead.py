@@ -45,7 +45,7 @@ def main():
                        model_config=cfg, tokenizer=None)
     logits = torch.randn(args.requests, args.vocab)
 
-    def stub(chunks, pending_ids=None):  # one logits row per wanted position, as the runner returns
+    def stub(chunks, pending_ids=None, *args):  # one logits row per wanted position, as the runner returns
         rows = sum(len(c.token_ids) - c.logits_from for c in chunks)
         return logits[:rows] if rows <= len(logits) else torch.randn(rows, args.vocab)
 

@@ -176,7 +176,8 @@ def splits_part(engine, results: dict, rounds: int = 3) -> None:
     def graphs(fn):
         triton_attention.sparse_paged_attention = fn
         try:
-            g = CUDAGraphRunner(engine.model, engine.cache, engine.config.max_model_len, 1, engine.device, [1])
+            g = CUDAGraphRunner(engine.model, engine.runner.cache, engine.cache.page_size,
+                                engine.config.max_model_len, 1, engine.device, [1])
             g.capture()
         finally:
             triton_attention.sparse_paged_attention = bounded
@@ -247,9 +248,9 @@ def phases_part(engine, results: dict, budget: int | None = None) -> None:
     steps = []
     execute = engine.runner.execute
 
-    def timed(chunks, pending_ids=None):
+    def timed(chunks, pending_ids=None, *args):
         t0 = time.perf_counter()
-        out = execute(chunks, pending_ids)
+        out = execute(chunks, pending_ids, *args)
         if out.is_cuda:
             torch.cuda.synchronize()
         steps.append((sum(len(c.token_ids) for c in chunks), len(chunks), time.perf_counter() - t0))

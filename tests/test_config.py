@@ -151,7 +151,7 @@ def test_default_step_budget_on_the_cpu(tmp_path):
     llm = LLM(str(tmp_path), device="cpu", load_format="dummy", max_model_len=8192)
     assert llm.llm_engine.config.max_num_batched_tokens == 4096
     steps, schedule = [], llm.llm_engine.scheduler.schedule
-    llm.llm_engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    llm.llm_engine.scheduler.schedule = lambda *a: steps.append(schedule(*a)) or steps[-1]
     out = llm.generate([{"prompt_token_ids": [5] * 4100}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1
     assert [s.num_tokens for s in steps if s.num_tokens] == [4096, 4]

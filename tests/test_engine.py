@@ -80,12 +80,21 @@ def test_abort_frees_cache_at_any_time(tiny_dir):
 def test_warm_up_runs_the_full_step_budget_beyond_max_model_len(tiny_dir):
     """A step budget larger than max_model_len is reached by several prompts at once in serving, so the warm-up
     runs that step size too (as several prompts); otherwise its kernels compile in the middle of serving."""
+    from qwen4exp.engine.warmup import warm_up
+
     llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=40, num_pages=64, page_size=8,
               max_num_batched_tokens=200, max_num_seqs=8)
     engine = llm.llm_engine
-    steps, schedule = [], engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
-    engine._warm_up()
+    config, steps, schedule = engine.scheduler.config, [], engine.scheduler.schedule
+
+    def recorded(*args):
+        assert engine.scheduler.config is config, "the warm-up passes its step budgets, it does not set them"
+        steps.append(schedule(*args))
+        return steps[-1]
+    engine.scheduler.schedule = recorded
+    mixed_graphs, execute = [], engine.runner.execute
+    engine.runner.execute = lambda chunks, pending, mixed: mixed_graphs.append(mixed) or execute(chunks, pending, mixed)
+    warm_up(engine)
     # the other rounds' prompts (5-300 tokens, cut to 36) make steps of at most 113 tokens
     assert max(s.num_tokens for s in steps) == 200
     # the full budget comes first: fla's chunk kernels autotune once, on their first call, and keep that choice
@@ -93,6 +102,44 @@ def test_warm_up_runs_the_full_step_budget_beyond_max_model_len(tiny_dir):
     assert steps[0].num_tokens == 200
     assert [len(s.scheduled) for s in steps if s.num_tokens == 200] == [6]  # 5 x 36 + 20 prompt tokens
     assert engine.cache.all_free() and engine.scheduler.config.max_num_batched_tokens == 200
+    # its prefill steps run eagerly where mixed-step graphs would take them: the steps they leave eager compile here
+    assert mixed_graphs and not any(mixed_graphs)
+
+
+def test_warm_up_rounds_run_each_kernel_size_largest_first_within_the_cache():
+    """The warm-up's steps: every token count at which a MoE or GDN kernel choice changes, up to the full budget,
+    largest first, each as prompts of at most max_model_len - 4 tokens; the full step shrinks (by pages) until its
+    prompts fit the cache; then two small-budget rounds of short prompts and one past the QSA budget."""
+    from helpers import hf_config
+
+    from qwen4exp import ops
+    from qwen4exp.config import EngineConfig, ModelConfig
+    from qwen4exp.engine.warmup import MAX_TOKENS, warm_up_rounds
+
+    # fla's l2norm buckets every 32 tokens: several sizes within the budget
+    mc = ModelConfig.from_hf(hf_config(linear_num_key_heads=2048, linear_num_value_heads=2048))
+    config = EngineConfig(max_model_len=300, max_num_batched_tokens=200, max_num_seqs=8, page_size=8)
+
+    def pages(lengths):
+        return sum(-(-(n + MAX_TOKENS) // 8) for n in lengths)
+
+    for usable in (400, 20):
+        rounds = warm_up_rounds(config, mc, usable)
+        *sized, small, large = rounds
+        full = sized[0][0]
+        assert pages(sized[0][1]) <= usable
+        if usable == 400:
+            assert full == 200
+        else:
+            assert full < 200 and pages([full + 8]) > usable  # the largest step (by pages) that fits
+        expected = ({full} | set(ops.moe.warm_up_token_counts(mc.num_experts, mc.num_experts_per_tok, full))
+                    | set(ops.gated_delta.warm_up_token_counts(mc.linear_num_key_heads, full))) - {1}
+        assert [b for b, _ in sized] == sorted(expected, reverse=True)
+        assert all(sum(lengths) == b and max(lengths) <= 296 for b, lengths in sized)
+        short = [5, 100, 37, 296]
+        past_qsa_budget = mc.indexer_budget + mc.indexer_compress_ratio + 200
+        assert small == (64, short) and large == (200, short + [past_qsa_budget])
+    assert warm_up_rounds(EngineConfig(max_model_len=4, max_num_batched_tokens=64), mc, 400) == []
 
 
 def test_warm_up_leaves_no_trace(tiny_dir):
@@ -106,9 +153,11 @@ def test_warm_up_leaves_no_trace(tiny_dir):
                    max_num_batched_tokens=128, max_num_seqs=4)
 
     expected = fresh().generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    from qwen4exp.engine.warmup import warm_up
+
     llm = fresh()
     engine = llm.llm_engine
-    engine._warm_up()
+    warm_up(engine)
     assert engine.cache.all_free() and not engine.has_unfinished_requests()
     assert engine.scheduler.config.max_num_batched_tokens == 128
     assert engine.metrics.registry.get_sample_value("qwen4exp:prompt_tokens_total") == 0
@@ -201,41 +250,57 @@ def test_request_token_ids_slices_prompt_and_output_alike():
 
 
 def test_step_metadata_matches_per_token_definition():
-    """build_metadata's vectorised fields equal their per-token definitions: decodes and prefill chunks of random
-    lengths at random offsets, on shuffled pages (page_size 8, QSA blocks of 4 tokens)."""
+    """The step layout's vectorised fields, on the device as StepMetadata, equal their per-token definitions:
+    decodes and prefill chunks of random lengths at random offsets, on shuffled pages (page_size 8, QSA blocks of
+    4 tokens)."""
     from helpers import hf_config
 
     from qwen4exp.config import ModelConfig
-    from qwen4exp.engine.runner import RequestChunk, build_metadata
+    from qwen4exp.engine.step_builder import RequestChunk, StepBuilder
 
     cfg = ModelConfig.from_hf(hf_config())
-    ps, C = 8, cfg.indexer_compress_ratio
+    ps, C, eos = 8, cfg.indexer_compress_ratio, cfg.eos_token_id
     rng = random.Random(3)
     chunks = []
-    for n, ctx in [(1, 0), (1, 13), (1, 15), (7, 0), (1, 3), (30, 5), (2, 22)]:
+    for n, ctx in [(1, 0), (1, 13), (1, 15), (7, 0), (1, 1), (1, 3), (30, 5), (2, 22)]:
         pages = rng.sample(range(1, 200), -(-(ctx + n) // ps))
         chunks.append(RequestChunk(token_ids=[rng.randrange(300) for _ in range(n)], context_len=ctx,
                                    history=[rng.randrange(300) for _ in range(min(ctx, 5))], pages=pages,
-                                   state_slot=len(chunks) + 1, logits_from=n - 1))
+                                   state_slot=len(chunks) + 1, logits_from=rng.choice([n - 1, 0, n]),
+                                   pending_row=rng.choice([-1, len(chunks)])))
     chunks.sort(key=lambda c: len(c.token_ids) != 1)  # decodes first, as the runner orders them
-    meta = build_metadata(chunks, cfg, ps, "cpu")
+    layout = StepBuilder(cfg, ps).build(chunks)
+    meta = layout.to_metadata("cpu")
 
     def slot(ch, p):
         return ch.pages[p // ps] * ps + p % ps
 
     tokens = [(r, i, ch) for r, ch in enumerate(chunks) for i in range(len(ch.token_ids))]
-    assert meta.positions.tolist() == [ch.context_len + i for r, i, ch in tokens]
+    decodes = sum(len(ch.token_ids) == 1 for ch in chunks)
+    qsl = [0]
+    for ch in chunks:
+        qsl.append(qsl[-1] + len(ch.token_ids))
+    assert meta.query_start_loc_cpu == meta.query_start_loc.tolist() == qsl
+    assert meta.context_lens_cpu == meta.context_lens.tolist() == [ch.context_len for ch in chunks]
+    assert meta.state_slots_cpu == meta.state_slots.tolist() == [ch.state_slot for ch in chunks]
+    assert meta.has_initial.tolist() == meta.has_initial_state == [ch.context_len > 0 for ch in chunks]
+    assert (meta.num_reqs, meta.num_tokens, meta.num_decode_reqs) == (len(chunks), len(tokens), decodes)
+    assert meta.max_seq_len == max(ch.context_len + len(ch.token_ids) for ch in chunks)
+    assert meta.input_ids.tolist() == [t for ch in chunks for t in ch.token_ids]
+    assert layout.pending == [(qsl[r + 1] - 1, ch.pending_row) for r, ch in enumerate(chunks) if ch.pending_row >= 0]
+    assert meta.positions.tolist() == meta.token_pos.tolist() == [ch.context_len + i for r, i, ch in tokens]
     assert meta.slot_mapping.tolist() == [slot(ch, ch.context_len + i) for r, i, ch in tokens]
     assert meta.token_req.tolist() == [r for r, i, ch in tokens]
     assert meta.token_local.tolist() == [i for r, i, ch in tokens]
+    assert meta.logits_indices.tolist() == [qsl[r] + i for r, i, ch in tokens if i >= ch.logits_from]
+    assert meta.ngram_context.tolist() == [([eos, eos] + ch.history)[-2:] for ch in chunks]
     blocks = [(ch, b * C) for ch in chunks
               for b in range(ch.context_len // C, (ch.context_len + len(ch.token_ids)) // C)]
     assert meta.new_block_token_slots.tolist() == [[slot(ch, f + j) for j in range(C)] for ch, f in blocks]
     assert meta.new_block_slots.tolist() == [ch.pages[f // ps] * (ps // C) + (f % ps) // C for ch, f in blocks]
     assert meta.new_block_positions.tolist() == [f for ch, f in blocks]
-    assert meta.num_decode_reqs == 4
     # fla's varlen layout: the distinct (prefill request, token index // chunk) pairs, in token order
-    pieces = [(r - 4, i // 4) for r, i, ch in tokens if r >= 4]
+    pieces = [(r - decodes, i // 4) for r, i, ch in tokens if r >= decodes]
     assert meta.prefill_chunk_indices(4).tolist() == [list(p) for p in dict.fromkeys(pieces)]
     for r, ch in enumerate(chunks):
         assert meta.block_tables[r, : len(ch.pages)].tolist() == ch.pages

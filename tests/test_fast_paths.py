@@ -13,14 +13,23 @@ pytest.importorskip("triton")
 
 
 class EagerBufferRunner(CUDAGraphRunner):
-    """The graph runner's buffer filling and padding, executed eagerly (no capture: CPU)."""
+    """The graph runner's buffer filling and padding, executed eagerly (no capture: CPU) on the metadata a graph
+    captures: its host copies are unset, so an op that read them on the in-graph path would raise."""
 
     def _run(self, key):
         self.variants_used.add(key[-1])
         if key[0] != "mixed":
-            return self.model.compute_logits(self.model(self._meta(*key), self.cache.tensors))
-        meta = self._mixed_meta(*key[1:])  # what the graph captured, host lists included
-        return self.model.compute_logits(self.model(meta, self.cache.tensors)[meta.logits_indices])
+            return self.model.compute_logits(self.model(self._meta(*key), self.cache))
+        meta = self._mixed_meta(*key[1:])
+        return self.model.compute_logits(self.model(meta, self.cache)[meta.logits_indices])
+
+
+def graph_runner(llm, cls=EagerBufferRunner, *args, **kw):
+    """A graph runner over `llm`'s model and cache tensors."""
+    engine = llm.llm_engine
+    graphs = cls(engine.model, engine.runner.cache, engine.cache.page_size, *args, **kw)
+    graphs.variants_used = set()
+    return graphs
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +57,7 @@ def test_fast_dispatch_and_graph_buffers_match_reference(model_pair, monkeypatch
     monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
     llm = our_llm(hf, max_num_batched_tokens=16)
     runner = llm.llm_engine.runner
-    runner.graphs = EagerBufferRunner(runner.model, runner.cache, 512, 4, "cpu", buckets=[1, 2, 4])
-    runner.graphs.variants_used = set()
+    runner.graphs = graph_runner(llm, EagerBufferRunner, 512, 4, "cpu", buckets=[1, 2, 4])
     calls = []
     run = runner.graphs.execute
     runner.graphs.execute = lambda chunks, *pending: calls.append(len(chunks)) or run(chunks, *pending)
@@ -67,8 +75,8 @@ def test_fast_dispatch_and_graph_buffers_match_reference(model_pair, monkeypatch
 def test_mixed_step_graph_buffers_match_reference(model_pair, monkeypatch):
     """Steps mixing prefill chunks with decodes through the mixed-graph layout (the step's requests, empty rows, a
     padding request owning the bucket's unused tokens; every op on its in-graph path: GDN's recurrent kernel over
-    each request's tokens, per-token attention), run on the metadata the graph was captured with (host lists of
-    the capture, not of the step), give the reference's tokens and logprobs, and leak no cache."""
+    each request's tokens, per-token attention), run on the metadata the graph captures (no host copies of the
+    layout), give the reference's tokens and logprobs, and leak no cache."""
     from qwen4exp.engine import cuda_graph
 
     hf = model_pair
@@ -83,9 +91,7 @@ def test_mixed_step_graph_buffers_match_reference(model_pair, monkeypatch):
     monkeypatch.setattr(cuda_graph, "MIXED_GRAPH_TOKENS", (8, 16))
     llm = our_llm(hf, max_num_batched_tokens=16)
     runner = llm.llm_engine.runner
-    runner.graphs = EagerBufferRunner(runner.model, runner.cache, 512, 8, "cpu", buckets=[1, 2, 4, 8],
-                                      max_num_batched_tokens=16)
-    runner.graphs.variants_used = set()
+    runner.graphs = graph_runner(llm, EagerBufferRunner, 512, 8, "cpu", buckets=[1, 2, 4, 8], max_num_batched_tokens=16)
     mixed = []
     prepare = runner.graphs.prepare_mixed
 
@@ -112,10 +118,9 @@ def test_graph_block_tables_hold_each_rows_pages_then_zeros(model_pair):
     from qwen4exp.engine.runner import RequestChunk
 
     llm = our_llm(model_pair)
-    runner = llm.llm_engine.runner
-    graphs = CUDAGraphRunner(runner.model, runner.cache, 512, 4, "cpu", buckets=[1, 2, 4])
+    graphs = graph_runner(llm, CUDAGraphRunner, 512, 4, "cpu", buckets=[1, 2, 4])
     graphs._run = lambda key: torch.zeros(key[0], 8)
-    ps = runner.cache.page_size
+    ps = llm.llm_engine.cache.page_size
 
     def chunk(pages):
         return RequestChunk(token_ids=[3], context_len=len(pages) * ps - 1, history=[1, 2], pages=pages, state_slot=1,
@@ -135,6 +140,63 @@ def test_graph_block_tables_hold_each_rows_pages_then_zeros(model_pair):
         assert not graphs.buf["block_tables"][:, max(map(len, rows)):].any()
 
 
+def test_decode_graph_buffers_hold_the_step_layout_then_null_rows(model_pair):
+    """A decode graph's buffers hold the step's layout as the eager metadata has it, each QSA block in the row of
+    the token that completes it (the null page's block row otherwise), async tokens from the previous step's ids,
+    and padding rows on the null slot and null page, without state, with an EOS n-gram context."""
+    from qwen4exp.engine.step_builder import RequestChunk, StepBuilder
+
+    llm = our_llm(model_pair)
+    engine = llm.llm_engine
+    graphs = graph_runner(llm, CUDAGraphRunner, 512, 4, "cpu", buckets=[1, 2, 4])
+    graphs._run = lambda key: torch.zeros(key[0], 8)
+    ps, C, eos = engine.cache.page_size, engine.model_config.indexer_compress_ratio, engine.model_config.eos_token_id
+    # contexts 11 and 3 complete a block with their token, 0 and 12 do not; the last two come from the device
+    chunks = [RequestChunk(token_ids=[5 + r], context_len=ctx, history=list(range(20, 20 + ctx)),
+                           pages=[10 * r + p + 1 for p in range(ctx // ps + 1)], state_slot=r + 1, logits_from=0,
+                           pending_row=src)
+              for r, (ctx, src) in enumerate([(11, -1), (0, -1), (3, 1), (12, 0)])]
+    for n in (4, 3):  # a full bucket, then one padding row
+        step = chunks[:n]
+        graphs.execute(step, torch.tensor([70, 71]))
+        meta = StepBuilder(engine.model_config, ps).build(step).to_metadata("cpu")
+        b = graphs.buf
+        ids = [ch.token_ids[0] if ch.pending_row < 0 else 70 + ch.pending_row for ch in step]
+        assert b["input_ids"][:n].tolist() == ids
+        for name in ("positions", "slot_mapping", "state_slots", "context_lens", "has_initial", "ngram_context"):
+            assert b[name][:n].tolist() == getattr(meta, name).tolist(), name
+        assert b["block_tables"][:n, : meta.block_tables.shape[1]].tolist() == meta.block_tables.tolist()
+        completes = [r for r, ch in enumerate(step) if (ch.context_len + 1) % C == 0]
+        assert completes == [0, 2]
+        for name in ("new_block_token_slots", "new_block_slots", "new_block_positions"):
+            assert b[name][completes].tolist() == getattr(meta, name).tolist(), name
+            assert not b[name][[r for r in range(n) if r not in completes]].any(), name
+        for name in ("input_ids", "positions", "slot_mapping", "state_slots", "context_lens", "has_initial",
+                     "block_tables", "new_block_token_slots", "new_block_slots", "new_block_positions"):
+            assert not b[name][n:4].any(), name
+        assert (b["ngram_context"][n:4] == eos).all()
+
+
+def test_graph_metadata_holds_no_host_copies(model_pair, monkeypatch):
+    """A graph replays whatever step fills its buffers, so its metadata holds no host copy of the layout: reading
+    one raises, naming the field and the device tensors to read instead; the sizes in-graph ops branch on hold."""
+    from qwen4exp.engine import cuda_graph
+    from qwen4exp.model.metadata import HostFieldUnset
+
+    monkeypatch.setattr(cuda_graph, "MIXED_GRAPH_TOKENS", (8, 16))
+    graphs = graph_runner(our_llm(model_pair), CUDAGraphRunner, 512, 4, "cpu", buckets=[1, 2, 4],
+                          max_num_batched_tokens=16)
+    decode, mixed = graphs._meta(3, 512), graphs._mixed_meta(16, 512)
+    assert (decode.num_reqs, decode.num_tokens, decode.num_decode_reqs) == (3, 3, 3)
+    assert (mixed.num_reqs, mixed.num_tokens, mixed.num_decode_reqs) == (5, 16, 0)
+    for meta in (decode, mixed):
+        for name in ("query_start_loc_cpu", "context_lens_cpu", "state_slots_cpu", "has_initial_state"):
+            with pytest.raises(HostFieldUnset, match=f"StepMetadata.{name} is not set.*device tensors"):
+                getattr(meta, name)
+        with pytest.raises(HostFieldUnset, match="query_start_loc_cpu"):
+            meta.prefill_chunk_indices(64)
+
+
 def test_mixed_graph_buckets_longer_than_max_model_len(model_pair, monkeypatch):
     """A bucket longer than max_model_len (a step of several short prompts) hands the padding request positions past
     max_model_len: its block table row must still cover them (zeros: the null page), or the in-graph attention
@@ -152,10 +214,8 @@ def test_mixed_graph_buckets_longer_than_max_model_len(model_pair, monkeypatch):
     monkeypatch.setattr(cuda_graph, "MIXED_GRAPH_TOKENS", (8, 32))
     llm = our_llm(hf, max_model_len=12, max_num_batched_tokens=32)
     runner = llm.llm_engine.runner
-    runner.graphs = EagerBufferRunner(runner.model, runner.cache, 12, 4, "cpu", buckets=[1, 2, 4],
-                                      max_num_batched_tokens=32)
-    runner.graphs.variants_used = set()
-    graphs, ps, buckets = runner.graphs, runner.cache.page_size, []
+    runner.graphs = graph_runner(llm, EagerBufferRunner, 12, 4, "cpu", buckets=[1, 2, 4], max_num_batched_tokens=32)
+    graphs, ps, buckets = runner.graphs, llm.llm_engine.cache.page_size, []
     prepare = graphs.prepare_mixed
 
     def recorded(chunks, *pending):

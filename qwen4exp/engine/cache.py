@@ -1,7 +1,9 @@
-"""Cache accounting: fixed-size pages for the attention layers and state slots for GDN/PLE, on the CPU.
+"""The cache: fixed-size pages for the attention layers and state slots for GDN/PLE.
 
-The allocators hand out integers only; the tensors they index are the model's (model/state.py), allocated once
-here from a memory budget. Page 0 and slot 0 are reserved null entries (padding rows point at them).
+Two halves. `CacheAllocator` is the scheduler's bookkeeping: it hands out page and slot ids (integers) and knows no
+tensors. `allocate_engine_cache` sizes the cache from the memory budget and allocates the model's cache tensors
+(model/state.py) that those ids index, with an allocator of the same size. Page 0 and slot 0 are reserved null
+entries (padding rows point at them).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ logger = logging.getLogger("qwen4exp")
 
 
 class PageAllocator:
+    """A free list of ids 1..num_pages-1 (id 0 is the null entry)."""
+
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))  # page 0 is the null page
+        self._free = list(range(num_pages - 1, 0, -1))
 
     @property
     def num_free(self) -> int:
@@ -42,37 +46,13 @@ class SlotAllocator(PageAllocator):
     """Same free-list discipline; slot 0 is the null slot."""
 
 
-class CacheManager:
-    """Owns the cache tensors and both allocators."""
+class CacheAllocator:
+    """Pages of `page_size` tokens and state slots, as integers: what the scheduler hands to requests."""
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, device):
-        c, e = model_config, engine_config
-        self.page_size = e.page_size
-        if c.qsa and e.page_size % c.indexer_compress_ratio:
-            raise ValueError(
-                f"page_size: {e.page_size} must be a multiple of indexer_compress_ratio={c.indexer_compress_ratio}"
-            )
-        per_page = max(page_bytes(c, e.page_size, dtype), 1)
-        per_slot = max(slot_bytes(c, dtype), 1)
-        num_slots = e.max_num_seqs + 1
-        if e.num_pages is not None:
-            num_pages = e.num_pages
-        else:
-            budget = _memory_budget(e, device) - num_slots * per_slot
-            num_pages = budget // per_page
-        pages_per_seq = -(-e.max_model_len // e.page_size)
-        if num_pages - 1 < pages_per_seq:
-            raise ValueError(
-                f"the cache budget holds {max(num_pages - 1, 0)} pages of {e.page_size} tokens but one request of "
-                f"max_model_len={e.max_model_len} needs {pages_per_seq}; raise the memory budget or lower max_model_len"
-            )
-        self.pages = PageAllocator(int(num_pages))
+    def __init__(self, num_pages: int, num_slots: int, page_size: int):
+        self.page_size = page_size
+        self.pages = PageAllocator(num_pages)
         self.slots = SlotAllocator(num_slots)
-        self.tensors: ModelCache = allocate_cache(c, int(num_pages), e.page_size, num_slots, dtype, device)
-        logger.info(
-            "KV cache: %d pages = %d tokens, %d state slots", self.pages.num_usable,
-            self.pages.num_usable * e.page_size, self.slots.num_usable,
-        )
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -83,6 +63,38 @@ class CacheManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.pages.num_free / max(self.pages.num_usable, 1)
+
+
+def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype,
+                          device) -> tuple[CacheAllocator, ModelCache]:
+    """The cache tensors, as many pages as the memory budget holds (or `num_pages`) and max_num_seqs + 1 slots,
+    with their allocator."""
+    c, e = model_config, engine_config
+    if c.qsa and e.page_size % c.indexer_compress_ratio:
+        raise ValueError(
+            f"page_size: {e.page_size} must be a multiple of indexer_compress_ratio={c.indexer_compress_ratio}"
+        )
+    per_page = max(page_bytes(c, e.page_size, dtype), 1)
+    per_slot = max(slot_bytes(c, dtype), 1)
+    num_slots = e.max_num_seqs + 1
+    if e.num_pages is not None:
+        num_pages = e.num_pages
+    else:
+        budget = _memory_budget(e, device) - num_slots * per_slot
+        num_pages = budget // per_page
+    pages_per_seq = -(-e.max_model_len // e.page_size)
+    if num_pages - 1 < pages_per_seq:
+        raise ValueError(
+            f"the cache budget holds {max(num_pages - 1, 0)} pages of {e.page_size} tokens but one request of "
+            f"max_model_len={e.max_model_len} needs {pages_per_seq}; raise the memory budget or lower max_model_len"
+        )
+    allocator = CacheAllocator(int(num_pages), num_slots, e.page_size)
+    tensors = allocate_cache(c, int(num_pages), e.page_size, num_slots, dtype, device)
+    logger.info(
+        "KV cache: %d pages = %d tokens, %d state slots", allocator.pages.num_usable,
+        allocator.pages.num_usable * e.page_size, allocator.slots.num_usable,
+    )
+    return allocator, tensors
 
 
 def _memory_budget(e: EngineConfig, device) -> int:

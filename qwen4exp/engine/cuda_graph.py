@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
-from ..model import StepMetadata
-from .runner import RequestChunk, build_metadata, fill_pending, to_device
+from ..model import ModelCache, StepMetadata
+from .step_builder import RequestChunk, StepBuilder, StepLayout, fill_pending, host_to_device
 
 logger = logging.getLogger("qwen4exp")
 
@@ -38,13 +39,14 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, model, cache, max_model_len: int, max_num_seqs: int, device, buckets: list[int] | None = None,
-                 max_num_batched_tokens: int = 0):
+    def __init__(self, model, cache: ModelCache, page_size: int, max_model_len: int, max_num_seqs: int, device,
+                 buckets: list[int] | None = None, max_num_batched_tokens: int = 0):
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
         self.config = model.config
-        self.page_size = cache.page_size
+        self.page_size = page_size
+        self.builder = StepBuilder(self.config, page_size)
         self.max_model_len = max_model_len
         self.buckets = buckets or default_buckets(max_num_seqs)
         B = self.max_batch = self.buckets[-1]
@@ -65,6 +67,7 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self.arange = torch.arange(B, **z)
         self.zeros = torch.zeros(B, **z)
+        self.eos = self.builder.eos
         # QSA is exactly dense while every context fits budget + C - 1 tokens: a second set of graphs skips the
         # block selection for such steps (max_seq_len is what the model reads to decide, fixed per graph).
         c = self.config
@@ -104,14 +107,13 @@ class CUDAGraphRunner:
             state_slots=b["state_slots"], ngram_context=b["ngram_context"], logits_indices=self.arange[:n],
             new_block_token_slots=b["new_block_token_slots"], new_block_slots=b["new_block_slots"],
             new_block_positions=b["new_block_positions"], token_req=self.arange[:n], token_pos=b["positions"],
-            token_local=self.zeros[:n], has_initial=b["has_initial"], query_start_loc_cpu=list(range(n + 1)),
-            context_lens_cpu=[0] * n, state_slots_cpu=[0] * n, num_decode_reqs=n, max_seq_len=max_seq_len,
-            in_cuda_graph=True,
+            token_local=self.zeros[:n], has_initial=b["has_initial"], num_reqs=n, num_tokens=n, num_decode_reqs=n,
+            max_seq_len=max_seq_len, in_cuda_graph=True,
         )
 
     def _mixed_meta(self, T: int, max_seq_len: int) -> StepMetadata:
-        """Metadata over the mixed buffers for a T-token bucket. Its host lists describe the capture's layout (every
-        token in the padding request) whatever step replays the graph: the in-graph paths must not read them."""
+        """Metadata over the mixed buffers for a T-token bucket: max_num_seqs + 1 requests, no decodes (whatever
+        step replays the graph)."""
         b, nb, R = self.mbuf, T // self.C + self.mixed_reqs, self.mixed_reqs
         return StepMetadata(
             input_ids=b["input_ids"][:T], positions=b["positions"][:T], query_start_loc=b["query_start_loc"],
@@ -120,15 +122,12 @@ class CUDAGraphRunner:
             new_block_token_slots=b["new_block_token_slots"][:nb], new_block_slots=b["new_block_slots"][:nb],
             new_block_positions=b["new_block_positions"][:nb], token_req=b["token_req"][:T],
             token_pos=b["positions"][:T], token_local=b["token_local"][:T], has_initial=b["has_initial"],
-            query_start_loc_cpu=[0] * R + [T], context_lens_cpu=[0] * R, state_slots_cpu=[0] * R, num_decode_reqs=0,
-            max_seq_len=max_seq_len, in_cuda_graph=True,
+            num_reqs=R, num_tokens=T, num_decode_reqs=0, max_seq_len=max_seq_len, in_cuda_graph=True,
         )
 
     def _capture_one(self, key: tuple, meta: StepMetadata, rows: torch.Tensor | None) -> None:
-        tensors = self.cache.tensors
-
         def run():
-            hidden = self.model(meta, tensors)
+            hidden = self.model(meta, self.cache)
             return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
         for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
@@ -163,26 +162,28 @@ class CUDAGraphRunner:
         graph.replay()
         return logits
 
-    def _variant(self, chunks: list[RequestChunk]) -> int:
+    def _variant(self, layout: StepLayout) -> int:
         """The context bound of the graph a step replays: the short (dense QSA) one when every request fits it."""
-        longest = max(ch.context_len + len(ch.token_ids) for ch in chunks)
-        return self.short_len if self.short_len in self.variants and longest <= self.short_len else self.max_model_len
+        short = self.short_len in self.variants and layout.max_seq_len <= self.short_len
+        return self.short_len if short else self.max_model_len
 
-    def can_run(self, chunks: list[RequestChunk]) -> bool:
+    def can_run(self, chunks: list[RequestChunk], mixed: bool = True) -> bool:
+        """Whether a graph takes the step: decodes only, or (`mixed`) a step that fits the largest mixed bucket and
+        wants at most each request's last logits row."""
         if not 0 < len(chunks) <= self.max_batch:
             return False
         if all(len(c.token_ids) == 1 for c in chunks):
             return True
-        return (bool(self.mixed_sizes) and sum(len(c.token_ids) for c in chunks) <= self.mixed_sizes[-1]
+        return (mixed and bool(self.mixed_sizes) and sum(len(c.token_ids) for c in chunks) <= self.mixed_sizes[-1]
                 and all(c.logits_from >= len(c.token_ids) - 1 for c in chunks))
 
     @torch.inference_mode()
     def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
         if all(len(c.token_ids) == 1 for c in chunks):
-            return self._execute_decode(chunks, pending_ids)
+            return self._execute_decode(self.builder.build(chunks), pending_ids)
         key, wanted = self.prepare_mixed(chunks, pending_ids)
         logits = self._run(key)
-        return logits[to_device(wanted, logits.device)]  # a gather: a copy of the rows
+        return logits[host_to_device(wanted, logits.device)]  # a gather: a copy of the rows
 
     def _fill_mixed_padding(self, T: int, total: int) -> None:
         """Tokens total..T-1 belong to the padding request (last row), at positions 0, 1, ... of the null page."""
@@ -193,95 +194,78 @@ class CUDAGraphRunner:
         for name in ("input_ids", "slot_mapping"):
             b[name][total:T].zero_()
 
+    @staticmethod
+    def _put(buf: torch.Tensor, rows: np.ndarray, pad_rows: int = 0, fill=0) -> None:
+        """buf[:len(rows) + pad_rows] = rows, then pad_rows rows of `fill`, in one host-to-device copy."""
+        if pad_rows:
+            rows = np.concatenate([rows, np.full((pad_rows, *rows.shape[1:]), fill, dtype=rows.dtype)])
+        buf[: rows.shape[0]].copy_(torch.from_numpy(rows), non_blocking=True)
+
+    @staticmethod
+    def _put_tables(tables: torch.Tensor, layout: StepLayout, rows: int, width_before: int) -> int:
+        """Copies the step's block tables into rows 0..R-1 of `tables`, zeroes its rows R..rows-1 and the columns a
+        wider earlier step left past this step's width; returns the width now in use. Only the step's widest table
+        travels: zeros past it are kept, not sent."""
+        n, width = layout.block_tables.shape
+        tables[:n, :width].copy_(torch.from_numpy(layout.block_tables), non_blocking=True)
+        if rows > n:
+            tables[n:rows, :width].zero_()
+        if width < width_before:
+            tables[:, width:width_before].zero_()
+        return width
+
     def prepare_mixed(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None):
         """Fills the mixed buffers for a step (see can_run); returns the key of the graph to replay and the rows of its
         logits (one per request row) that the step wants, in chunk order."""
-        n, R = len(chunks), self.mixed_reqs
-        total = sum(len(c.token_ids) for c in chunks)
+        layout = self.builder.build(chunks)
+        n, R, total = layout.num_reqs, self.mixed_reqs, layout.num_tokens
         T = next(t for t in self.mixed_sizes if t >= total)
-        m = build_metadata(chunks, self.config, self.page_size, "cpu")
-        b, eos = self.mbuf, self.config.eos_token_id if self.config.eos_token_id is not None else 0
+        b, put = self.mbuf, self._put
         empty = R - n  # empty rows and the padding request: no state, null slot, null page
-
-        def put(name, host):
-            b[name][: host.shape[0]].copy_(host.to(b[name].dtype), non_blocking=True)
-
         for name in ("input_ids", "positions", "slot_mapping", "token_req", "token_local"):
-            put(name, getattr(m, name))
-        qsl = m.query_start_loc_cpu + [total] * (empty - 1) + [T]
-        put("query_start_loc", torch.tensor(qsl))
-        put("context_lens", torch.cat([m.context_lens, torch.zeros(empty, dtype=torch.int32)]))
-        put("state_slots", torch.cat([m.state_slots, torch.zeros(empty, dtype=torch.long)]))
-        put("has_initial", torch.cat([m.has_initial, torch.zeros(empty, dtype=torch.bool)]))
+            put(b[name], getattr(layout, name))
+        qsl = layout.query_start_loc + [total] * (empty - 1) + [T]
+        put(b["query_start_loc"], np.array(qsl, dtype=np.int32))
+        put(b["context_lens"], np.array(layout.context_lens, dtype=np.int32), empty)
+        put(b["state_slots"], np.array(layout.state_slots, dtype=np.int64), empty)
+        put(b["has_initial"], layout.has_initial(), empty)
         if b["ngram_context"].shape[1]:
-            put("ngram_context", torch.cat([m.ngram_context, torch.full((empty, b["ngram_context"].shape[1]), eos)]))
-        put("logits_indices", torch.tensor([q - 1 for q in qsl[1: n + 1]] + [0] * empty))
-        nb, nb_real = T // self.C + R, m.new_block_slots.shape[0]
-        put("new_block_token_slots", torch.cat([m.new_block_token_slots, torch.zeros(nb - nb_real, self.C,
-                                                                                      dtype=torch.long)]))
-        put("new_block_slots", torch.cat([m.new_block_slots, torch.zeros(nb - nb_real, dtype=torch.long)]))
-        put("new_block_positions", torch.cat([m.new_block_positions, torch.zeros(nb - nb_real, dtype=torch.long)]))
-        tables, width = b["block_tables"], m.block_tables.shape[1]
-        tables[:n, :width].copy_(m.block_tables, non_blocking=True)
-        tables[n:, :width].zero_()
-        if width < self.mixed_table_width:
-            tables[:, width: self.mixed_table_width].zero_()
-        self.mixed_table_width = width
+            put(b["ngram_context"], layout.ngram_context, empty, self.eos)
+        # one logits row per request row: each request's last token
+        put(b["logits_indices"], np.array(qsl[1: n + 1], dtype=np.int64) - 1, empty)
+        nb = T // self.C + R
+        pad_blocks = nb - layout.new_block_slots.shape[0]
+        for name in ("new_block_token_slots", "new_block_slots", "new_block_positions"):
+            put(b[name], getattr(layout, name), pad_blocks)
+        self.mixed_table_width = self._put_tables(b["block_tables"], layout, R, self.mixed_table_width)
         self._fill_mixed_padding(T, total)
-        fill_pending(b["input_ids"], [(qsl[r + 1] - 1, ch.pending_row) for r, ch in enumerate(chunks)], pending_ids)
-        wanted = [r for r, ch in enumerate(chunks) if ch.logits_from < len(ch.token_ids)]
-        return ("mixed", T, self._variant(chunks)), wanted
+        fill_pending(b["input_ids"], layout.pending, pending_ids)
+        wanted = layout.token_req[layout.logits_indices]
+        return ("mixed", T, self._variant(layout)), wanted
 
-    def _execute_decode(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
-        n = len(chunks)
+    def _execute_decode(self, layout: StepLayout, pending_ids: torch.Tensor | None = None) -> torch.Tensor:
+        n = layout.num_reqs
         bucket = next(b for b in self.buckets if b >= n)
-        ps, C, ctx_n = self.page_size, self.C, self.config.ngram_size - 1
-        eos = self.config.eos_token_id if self.config.eos_token_id is not None else 0
-        ids, pos, slot_map, slots, ctx_lens, init, ngram = [], [], [], [], [], [], []
-        blk_tok, blk_slot, blk_pos = [], [], []
-        width = max(len(ch.pages) for ch in chunks)
-        pages = []  # block tables as one flat list, each row zero-padded to the batch's widest: one tensor per step
-        for ch in chunks:
-            p = ch.context_len
-            ids.append(ch.token_ids[0])
-            pos.append(p)
-            slot_map.append(ch.pages[p // ps] * ps + p % ps)
-            slots.append(ch.state_slot)
-            ctx_lens.append(p)
-            init.append(p > 0)
-            hist = ch.history[-ctx_n:] if ctx_n else []
-            ngram.append([eos] * (ctx_n - len(hist)) + hist)
-            pages += ch.pages
-            pages += [0] * (width - len(ch.pages))
-            if C > 1 and (p + 1) % C == 0:  # this token completes a QSA block
-                first = p + 1 - C
-                blk_tok.append([ch.pages[j // ps] * ps + j % ps for j in range(first, p + 1)])
-                blk_slot.append(ch.pages[first // ps] * (ps // C) + (first % ps) // C)
-                blk_pos.append(first)
-            else:  # nothing to store: write into the null page
-                blk_tok.append([0] * C)
-                blk_slot.append(0)
-                blk_pos.append(0)
-        pad = bucket - n
-        host = dict(
-            input_ids=ids + [0] * pad, positions=pos + [0] * pad, slot_mapping=slot_map + [0] * pad,
-            state_slots=slots + [0] * pad, context_lens=ctx_lens + [0] * pad, has_initial=init + [False] * pad,
-            ngram_context=ngram + [[eos] * ctx_n] * pad, new_block_token_slots=blk_tok + [[0] * C] * pad,
-            new_block_slots=blk_slot + [0] * pad, new_block_positions=blk_pos + [0] * pad,
-        )
-        for k, v in host.items():
-            self.buf[k][:bucket].copy_(torch.tensor(v, dtype=self.buf[k].dtype).view_as(self.buf[k][:bucket]),
-                                       non_blocking=True)
-        fill_pending(self.buf["input_ids"], [(r, ch.pending_row) for r, ch in enumerate(chunks)], pending_ids)
-        tables = self.buf["block_tables"]
-        tables[:n, :width].copy_(torch.tensor(pages, dtype=torch.int32).view(n, width), non_blocking=True)
-        if pad:
-            tables[n:bucket, :width].zero_()
-        if width < self.table_width:
-            tables[:, width: self.table_width].zero_()
-        self.table_width = width
-        logits = self._run((bucket, self._variant(chunks)))
-        wanted = [r for r, ch in enumerate(chunks) if ch.logits_from == 0]
-        if len(wanted) == n:
+        buf, put, pad = self.buf, self._put, bucket - n
+        for name in ("input_ids", "positions", "slot_mapping"):
+            put(buf[name], getattr(layout, name), pad)
+        put(buf["state_slots"], np.array(layout.state_slots, dtype=np.int64), pad)
+        put(buf["context_lens"], np.array(layout.context_lens, dtype=np.int32), pad)
+        put(buf["has_initial"], layout.has_initial(), pad)
+        if buf["ngram_context"].shape[1]:
+            put(buf["ngram_context"], layout.ngram_context, pad, self.eos)
+        # one QSA block row per request: the block its token completes, else the null page's
+        blocks = layout.new_block_rows
+        for name in ("new_block_token_slots", "new_block_slots", "new_block_positions"):
+            rows = getattr(layout, name)
+            if rows.shape[0] != bucket:
+                full = np.zeros((bucket, *rows.shape[1:]), dtype=rows.dtype)
+                full[blocks] = rows
+                rows = full
+            put(buf[name], rows)
+        fill_pending(buf["input_ids"], layout.pending, pending_ids)
+        self.table_width = self._put_tables(buf["block_tables"], layout, bucket, self.table_width)
+        logits = self._run((bucket, self._variant(layout)))
+        if len(layout.logits_indices) == n:
             return logits[:n]  # no copy (64 x 248k at batch 64): see ModelRunner.execute
-        return logits[to_device(wanted, logits.device)]
+        return logits[host_to_device(layout.logits_indices, logits.device)]

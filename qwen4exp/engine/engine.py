@@ -1,4 +1,5 @@
-"""LLMEngine: add requests, then `step()` until done. One step = schedule -> execute -> sample -> update."""
+"""LLMEngine: add requests, then `step()` until done. One step = schedule -> launch (run the model, sample) ->
+complete (read the samples; output_processor.py turns them into RequestOutputs), with at most one step in flight."""
 
 from __future__ import annotations
 
@@ -9,17 +10,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
-from ..config import (LINEAR, EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config,
-                      resolve_device)
+from ..config import EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config, resolve_device
 from ..weights.loader import load_model
-from .cache import CacheManager
-from .detokenizer import IncrementalDetokenizer
+from .cache import allocate_engine_cache
 from .metrics import EngineMetrics
-from .request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, SamplingParams
-from .runner import ModelRunner, RequestChunk, to_device
-from .sampler import SampledBatch, Sampler, prompt_logprobs, reads_history
+from .output_processor import OutputProcessor, ParentRequest
+from .request import Request, RequestOutput, RequestStatus, SamplingParams
+from .runner import ModelRunner, RequestChunk
+from .sampler import SampledBatch, Sampler, reads_history
 from .scheduler import Scheduler, SchedulerOutput
+from .step_builder import to_device
+from .warmup import warm_up
 
 logger = logging.getLogger("qwen4exp")
 
@@ -50,16 +51,6 @@ class _Launched:
     rows: dict[str, int]
 
 
-@dataclass
-class _Parent:
-    """A client request; with n > 1 it fans out into n sequences."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -84,92 +75,42 @@ class LLMEngine:
                                 ple_table_device=self.config.ple_table_device,
                                 ple_table_dtype=self.config.ple_table_dtype,
                                 gpu_memory_utilization=self.config.gpu_memory_utilization)
-        self.cache = CacheManager(mc, self.config, self.dtype, self.device)
+        # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's)
+        self.cache, cache_tensors = allocate_engine_cache(mc, self.config, self.dtype, self.device)
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager:
             from .cuda_graph import CUDAGraphRunner
 
-            graphs = CUDAGraphRunner(self.model, self.cache, self.config.max_model_len, self.config.max_num_seqs,
-                                     self.device, self.config.cuda_graph_sizes, self.config.max_num_batched_tokens)
+            graphs = CUDAGraphRunner(self.model, cache_tensors, self.config.page_size, self.config.max_model_len,
+                                     self.config.max_num_seqs, self.device, self.config.cuda_graph_sizes,
+                                     self.config.max_num_batched_tokens)
             graphs.capture()
-        self.runner = ModelRunner(self.model, self.cache, self.device, graphs)
+        self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
-        self.metrics = EngineMetrics()
-        self._parents: dict[str, _Parent] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self.eos_token_ids = list(mc.stop_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.config.max_model_len,
+                                                EngineMetrics())
         async_scheduling = self.config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _Launched | None = None  # the launched step whose samples are not read yet
         if self.device.type == "cuda":
-            self._warm_up()
+            warm_up(self)
 
-    def _warm_up(self) -> None:
-        """Eager steps of the shapes serving meets first: decodes mixed with prefills, prompts continued across
-        steps (with a context longer than the QSA budget where the model allows), token counts that are and are not
-        multiples of 16. Their compilation (dynamo recompiling a size as dynamic, Triton specialising integer
-        arguments, fla autotuning) then happens here, not as a stall of several seconds in the middle of serving."""
-        t0 = time.perf_counter()
-        c, mc = self.config, self.model_config
-        limit = c.max_model_len - 4
-        if limit < 1:
-            return
-        short = [min(n, limit) for n in (5, 100, 37, 300)]
-        long = []
-        if mc.qsa and mc.indexer_budget + mc.indexer_compress_ratio + 200 <= limit:
-            long = [mc.indexer_budget + mc.indexer_compress_ratio + 200]
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
-        config = self.scheduler.config
-        # Two chunk sizes, so that every prefill-only path sees two token counts. Then one prefill step of each size
-        # at which a kernel choice or an autotuning key changes, up to the full budget: the 64-request runs met
-        # those (MoE tile configs, fla's l2norm buckets) as 0.3-7 s stalls. A step larger than max_model_len is
-        # several prompts, as serving meets it.
-        def prompts(n):
-            return [limit] * (n // limit) + [n % limit] * (n % limit > 0)
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.output_processor.metrics
 
-        def pages(n):
-            return sum(self.cache.pages_needed(m + params.max_tokens) for m in prompts(n))
-
-        full = min(config.max_num_batched_tokens, c.max_num_seqs * limit)
-        while full > 1 and pages(full) > self.cache.pages.num_usable:
-            full -= c.page_size
-        sizes = set(ops.moe.warm_up_token_counts(mc.num_experts, mc.num_experts_per_tok, full)) | {full}
-        if any(t == LINEAR for t in mc.layer_types):
-            sizes |= set(ops.gated_delta.warm_up_token_counts(mc.linear_num_key_heads, full))
-        # Largest first: kernels that autotune once per shape of their weights (fla's chunk kernels) keep the
-        # choice of their first call, and the large prefill steps are where their time goes (H200, 16 x 1k tokens:
-        # fla's kkt + solve kernel tuned on a 64-token step took 0.94 ms a layer, tuned on the full step 0.31 ms).
-        rounds = [(n, prompts(n)) for n in sorted(sizes, reverse=True) if n > 1] + [(64, short), (1000, short + long)]
-        # prefills eagerly, mixed-step graphs or not: the steps those graphs do not take (prompt logprobs,
-        # speculative verification, more tokens than their largest bucket) are eager
-        graphs = self.runner.graphs
-        mixed_sizes = graphs.mixed_sizes if graphs is not None else []
-        if graphs is not None:
-            graphs.mixed_sizes = []
-        try:
-            for budget, lengths in rounds:
-                budget = min(budget, config.max_num_batched_tokens)
-                self.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=budget)
-                for i, n in enumerate(lengths):
-                    prompt = [(7 * j + i) % mc.vocab_size for j in range(n)]
-                    self.add_request(f"warm-up-{budget}-{i}", {"prompt_token_ids": prompt}, params)
-                while self.has_unfinished_requests():
-                    self.step()
-        finally:
-            self.scheduler.config = config
-            if graphs is not None:
-                graphs.mixed_sizes = mixed_sizes
-        self.metrics = EngineMetrics()
-        logger.info("warm-up steps (compiling the eager step shapes) took %.1f s", time.perf_counter() - t0)
+    def reset_metrics(self) -> None:
+        self.output_processor.metrics = EngineMetrics()
 
     # ----- requests -----
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
         text, ids = self._tokenize_prompt(prompt)
-        if request_id in self._parents:
+        if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -191,19 +132,11 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            req = Request(child_id, list(ids), params, index=i, parent_id=request_id, prompt=text, arrival_time=now,
-                          max_tokens=max_tokens)
-            req.logprobs = [] if params.logprobs is not None else None
-            if params.prompt_logprobs is not None:
-                req.prompt_logprobs = [None]
-            if params.detokenize and self.tokenizer is not None:
-                self._detok[child_id] = IncrementalDetokenizer(
-                    self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens,
-                    params.stop, params.include_stop_str_in_output,
-                )
-            children.append(req)
+            children.append(Request(child_id, list(ids), params, index=i, parent_id=request_id, prompt=text,
+                                    arrival_time=now, max_tokens=max_tokens))
+        self.output_processor.add(ParentRequest(request_id, text, list(ids), children))
+        for req in children:
             self.scheduler.add(req)
-        self._parents[request_id] = _Parent(request_id, text, list(ids), children)
 
     def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -219,14 +152,8 @@ class LLMEngine:
         raise ValueError("prompt: expected a string, a list of token ids or {'prompt_token_ids': [...]}")
 
     def abort_request(self, request_id: str) -> None:
-        parent = self._parents.pop(request_id, None)
-        if parent is None:
-            return
-        for req in parent.children:
-            if not req.finished:
-                self.scheduler.finish(req)
-                req.finish_reason = "abort"
-            self._forget(req)
+        for req in self.output_processor.abort(request_id):
+            self._free(req)
         self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
@@ -234,24 +161,27 @@ class LLMEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.output_processor.parents)
 
     # ----- the step -----
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, token_budget: int | None = None, mixed_graphs: bool = True) -> list[RequestOutput]:
         """Schedules and launches one step. Synchronous: waits for it and returns its outputs. With asynchronous
         scheduling it returns the outputs of the step launched by the previous call instead, so the host's
         bookkeeping overlaps the device's work; a request that stops on a sampled token then runs one extra
-        position whose token is dropped, and new decode tokens reach the device without a host round trip."""
+        position whose token is dropped, and new decode tokens reach the device without a host round trip.
+
+        token_budget: this step's tokens instead of max_num_batched_tokens; mixed_graphs=False: steps with prefill
+        chunks run eagerly even where a mixed-step graph would take them (both for the warm-up)."""
         overlap = self._overlap()
         if self._inflight is not None and not overlap:
             done, self._inflight = self._inflight, None  # drain first: this step's sampling needs every id
             outs = self._complete(done)
             self._update_gauges()
             return outs
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(token_budget)
         if sched.preempted:
             self.metrics.preemptions.inc(len(sched.preempted))
-        launched = self._launch(sched) if sched.scheduled else None
+        launched = self._launch(sched, mixed_graphs) if sched.scheduled else None
         if overlap:
             done, self._inflight = self._inflight, launched
         else:
@@ -267,7 +197,7 @@ class LLMEngine:
             return False
         return not any(reads_history(r.params) for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
 
-    def _launch(self, sched: SchedulerOutput) -> "_Launched":
+    def _launch(self, sched: SchedulerOutput, mixed_graphs: bool = True) -> "_Launched":
         """Builds the chunks, runs the model and the sampler without waiting for them; advances the requests."""
         n_ctx = self.model_config.ngram_size - 1
         prev = self._inflight
@@ -291,7 +221,7 @@ class LLMEngine:
             ))
             spans.append((req, start, end, first))
         pending_ids = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
-        logits = self.runner.execute(chunks, pending_ids)
+        logits = self.runner.execute(chunks, pending_ids, mixed_graphs)
         row, sample_rows, sample_reqs, keep_logits = 0, [], [], False
         for req, start, end, first in spans:
             keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1
@@ -323,123 +253,26 @@ class LLMEngine:
         return end - 1 if samples else end
 
     def _complete(self, step: "_Launched") -> list[RequestOutput]:
-        """Reads a launched step's samples (waiting for the device) and applies them; returns the outputs."""
-        out = step.sampled.to_host() if step.sampled is not None else None
-        row = prompt_tokens = 0
-        for req, start, end, first in step.spans:
-            if step.logits is not None and req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1:
-                upto = min(end, req.num_prompt_tokens - 1)
-                self._record_prompt_logprobs(req, step.logits[row: row + upto - first], first)
-            prompt_tokens += max(0, min(end, req.num_prompt_tokens) - start)
-            row += end - first
-        if prompt_tokens:
-            self.metrics.prompt_tokens.inc(prompt_tokens)
-        touched: dict[str, _Parent] = {}
-        now = time.monotonic()
-        generated = 0
-        for i, req in enumerate(step.sample_reqs):
+        """Reads a launched step's samples (waiting for the device), hands them to the output processor and frees
+        the sequences that finished; returns the outputs."""
+        samples = step.sampled.to_host() if step.sampled is not None else None
+        for req in step.sample_reqs:
             req.num_pending -= 1
-            if req.finished:  # stopped or aborted while this step ran: its extra token is dropped
-                continue
-            generated += 1
-            self._append(req, out, i, now)
-            touched[req.parent_id] = self._parents[req.parent_id]
-        if generated:
-            self.metrics.generation_tokens.inc(generated)
-        for req, *_ in step.spans:
-            if req.prompt_logprobs is not None and req.parent_id in self._parents:
-                touched.setdefault(req.parent_id, self._parents[req.parent_id])
-        return [self._output(p) for p in touched.values()]
+        outputs, finished = self.output_processor.process(step.spans, step.logits, step.sample_reqs, samples)
+        for req in finished:
+            self._free(req)
+        return outputs
+
+    def _free(self, req: Request) -> None:
+        """Frees the pages, slot and sampler state of a finished or aborted sequence."""
+        self.scheduler.finish(req)
+        self.sampler.release(req)
 
     def _stop_ids(self, req: Request) -> list[int]:
         ids = list(req.params.stop_token_ids)
         if not req.params.ignore_eos:
             ids += [t for t in self.eos_token_ids if t not in ids]
         return ids
-
-    def _record_prompt_logprobs(self, req: Request, rows: torch.Tensor, first: int) -> None:
-        k = req.params.prompt_logprobs
-        targets = req.prompt_token_ids[first + 1: first + 1 + rows.shape[0]]
-        chosen, ranks, top_ids, top_lps = prompt_logprobs(rows, targets, k)
-        for j, tok in enumerate(targets):
-            entry = {tok: Logprob(chosen[j], ranks[j], self._piece(tok))}
-            for tid, lp in zip(top_ids[j], top_lps[j]):
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, top_ids[j].index(tid) + 1, self._piece(tid))
-            req.prompt_logprobs.append(entry)
-
-    def _piece(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
-
-    def _append(self, req: Request, out, i: int, now: float) -> None:
-        tok = out.token_ids[i]
-        req.output_token_ids.append(tok)
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.metrics.ttft.observe(now - req.arrival_time)
-        else:
-            self.metrics.itl.observe(now - req.last_token_time)
-        req.last_token_time = now
-        req.cumulative_logprob += out.logprobs[i]
-        if req.logprobs is not None:
-            entry = {tok: Logprob(out.logprobs[i], out.ranks[i], self._piece(tok))}
-            for rank, (tid, lp) in enumerate(zip(out.topk_ids[i], out.topk_logprobs[i]), start=1):
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, rank, self._piece(tid))
-            req.logprobs.append(entry)
-        detok = self._detok.get(req.request_id)
-        if detok is not None and detok.add(tok):
-            return self._finish(req, "stop", detok.stop_reason)
-        n_out = len(req.output_token_ids)
-        if n_out >= req.params.min_tokens:
-            if tok in req.params.stop_token_ids:
-                return self._finish(req, "stop", tok)
-            if not req.params.ignore_eos and tok in self.eos_token_ids:
-                return self._finish(req, "stop", None)
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            self._finish(req, "length", None)
-
-    def _finish(self, req: Request, reason: str, stop_reason) -> None:
-        req.finish_reason, req.stop_reason = reason, stop_reason
-        self.scheduler.finish(req)
-        self.sampler.release(req)
-        self.metrics.finished.labels(finished_reason=reason).inc()
-        self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
-
-    def _forget(self, req: Request) -> None:
-        self._detok.pop(req.request_id, None)
-        self.sampler.release(req)
-
-    def _output(self, parent: _Parent) -> RequestOutput:
-        outputs = []
-        for req in parent.children:
-            detok = self._detok.get(req.request_id)
-            if detok is None:
-                text = ""
-            elif req.finished:
-                text = detok.flush()
-            else:
-                text = detok.text[: len(detok.text) - detok.held_back()]
-            outputs.append(CompletionOutput(
-                index=req.index, text=text, token_ids=list(req.output_token_ids),
-                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                logprobs=list(req.logprobs) if req.logprobs is not None else None,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            ))
-        finished = all(r.finished for r in parent.children)
-        first = parent.children[0]
-        out = RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-            outputs=outputs, finished=finished,
-            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
-                     "num_preemptions": sum(r.num_preemptions for r in parent.children)},
-        )
-        if finished:
-            self._parents.pop(parent.request_id, None)
-            for req in parent.children:
-                self._forget(req)
-        return out
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.scheduler.running))

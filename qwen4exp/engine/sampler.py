@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
-from .runner import to_device
+from .step_builder import to_device
 
 
 @dataclass

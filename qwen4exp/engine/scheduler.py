@@ -1,5 +1,5 @@
-"""Continuous batching over a token budget. Pure CPU bookkeeping: it hands out pages and state slots (integers)
-and never touches tensors.
+"""Continuous batching over a token budget. Pure CPU bookkeeping: it hands out pages and state slots (integers, from
+a CacheAllocator) and never touches tensors.
 
 Each step gets `max_num_batched_tokens`. Running requests go first, decodes (one token left to compute) before
 chunked prefills, then waiting requests are admitted in arrival order while the budget, `max_num_seqs` and free
@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
-from .cache import CacheManager
+from .cache import CacheAllocator
 from .request import Request, RequestStatus
 
 
@@ -34,7 +34,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager):
+    def __init__(self, config: EngineConfig, cache: CacheAllocator):
         self.config = config
         self.cache = cache
         self.waiting: deque[Request] = deque()
@@ -47,9 +47,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """The next step's requests and token counts; `token_budget` replaces max_num_batched_tokens for it."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens if token_budget is None else token_budget
         # decodes first, then running prefills, each group in arrival order
         queue = sorted(self.running,
                        key=lambda r: (r.num_tokens_with_pending - r.num_computed_tokens > 1, r.arrival_time))

@@ -1,6 +1,7 @@
 """The forward contract: one flat batch of new tokens from several requests, and the step metadata describing it.
 
-Built once per step by the runner; layers read it and never look at requests or the scheduler.
+Built once per step from the scheduled chunks (engine/step_builder.py); layers read it and never look at requests or
+the scheduler.
 Request r owns token rows query_start_loc[r] : query_start_loc[r+1]; its first new token sits at logical position
 context_lens[r] (the number of its tokens already in the caches).
 """
@@ -34,7 +35,39 @@ def build_q_tiles(query_start_loc: list[int], context_lens: list[int], tile_toke
     return torch.stack([req, first, rows], 1)[order].to(torch.int32).contiguous()
 
 
-@dataclass
+class HostFieldUnset(RuntimeError):
+    """A host copy of the step layout was read in a CUDA-graph step, which does not fill them."""
+
+
+class _HostCopy:
+    """A StepMetadata field holding a host copy of per-request layout. Eager steps set it; CUDA-graph steps leave it
+    unset (None): a graph replays the layout of whatever step fills its device buffers, so a host value would
+    describe the capture instead, and an op reading it would silently compute the wrong thing. Reading it unset
+    raises HostFieldUnset naming the field."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.key = name, "_" + name
+
+    def __get__(self, meta, owner=None):
+        if meta is None:
+            return None  # the dataclass default: unset
+        value = meta.__dict__.get(self.key)
+        if value is None:
+            raise _unset(self.name)
+        return value
+
+    def __set__(self, meta, value) -> None:
+        meta.__dict__[self.key] = value
+
+
+def _unset(name: str) -> HostFieldUnset:
+    return HostFieldUnset(
+        f"StepMetadata.{name} is not set in a CUDA-graph step: the graph replays other steps' layouts, so ops on "
+        "the in-graph path must read the device tensors (query_start_loc, context_lens, state_slots, has_initial, "
+        "token_req, token_pos, token_local) and num_reqs / num_tokens / num_decode_reqs")
+
+
+@dataclass(eq=False)
 class StepMetadata:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] (or [3, T] for M-RoPE) rotary positions
@@ -54,28 +87,31 @@ class StepMetadata:
     token_pos: torch.Tensor  # [T] int64 logical position of each token in its request
     token_local: torch.Tensor  # [T] int64 index of the token among its request's new tokens
     has_initial: torch.Tensor  # [R] bool request has cached state (context_len > 0)
-    # Host copies that drive per-request loops without device syncs:
-    query_start_loc_cpu: list[int]
-    context_lens_cpu: list[int]
-    state_slots_cpu: list[int]
+    # Sizes, valid in every step (a graph's are those of its buffers: padding rows and requests included):
+    num_reqs: int  # R
+    num_tokens: int  # T
     num_decode_reqs: int  # requests 0 .. num_decode_reqs-1 bring exactly one token (the runner orders them first)
     max_seq_len: int  # static upper bound on any request's length after this step (sizes QSA score buffers)
+    # Host copies that drive per-request loops without device syncs; unset in CUDA-graph steps (see _HostCopy):
+    query_start_loc_cpu: list[int] | None = _HostCopy()
+    context_lens_cpu: list[int] | None = _HostCopy()
+    state_slots_cpu: list[int] | None = _HostCopy()
     # The step is captured in (or replayed from) a CUDA graph: ops must take paths that read per-request data from
-    # the device tensors only (the host fields above are frozen at capture), whatever mix of requests it holds.
+    # the device tensors only, whatever mix of requests it holds.
     in_cuda_graph: bool = False
     # Per-step values an op derives once and reuses in every layer (see prefill_chunk_indices).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.query_start_loc_cpu[-1]
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.state_slots_cpu)
+    def __repr__(self) -> str:
+        return (f"StepMetadata(num_reqs={self.num_reqs}, num_tokens={self.num_tokens}, "
+                f"num_decode_reqs={self.num_decode_reqs}, max_seq_len={self.max_seq_len}, "
+                f"in_cuda_graph={self.in_cuda_graph})")
 
     @property
     def has_initial_state(self) -> list[bool]:
+        """Host copy of has_initial (unset in CUDA-graph steps)."""
+        if self.__dict__.get("_context_lens_cpu") is None:
+            raise _unset("has_initial_state")
         return [c > 0 for c in self.context_lens_cpu]
 
     def prefill_chunk_indices(self, chunk: int) -> torch.Tensor:
