@@ -138,11 +138,13 @@ def widths(preset: str) -> Widths:
 class Variant:
     """One implementation in a case: `fn()` runs one call. `graph`: whether it may be captured in a CUDA graph (a
     torch reference that reads values on the host may not); it then runs eagerly even where the engine would
-    replay a graph."""
+    replay a graph. `once`: timed over a single call."""
 
     name: str
     fn: Callable[[], object]
     graph: bool = True
+    # a reference too slow to repeat at this size: timed over one call
+    once: bool = False
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -251,8 +253,9 @@ class Bench:
                 first = out
             row[f"{v.name}_diff"] = max_abs_diff(out, first) if out is not None else None
             # the call above was the warm-up
-            row[f"{v.name}_us"] = time_per_call_us(v.fn, calls, graph=graph and v.graph, reps=self.reps,
-                                                   device=self.device, warm_up=False)
+            row[f"{v.name}_us"] = time_per_call_us(v.fn, 1 if v.once else calls, graph=graph and v.graph,
+                                                   reps=1 if v.once else self.reps, device=self.device,
+                                                   warm_up=False)
         self.rows.append(row)
         return row
 
