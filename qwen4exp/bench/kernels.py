@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -174,7 +175,8 @@ class Bench:
         self._tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
         self.generator = torch.Generator(self.device).manual_seed(0)
         self.rows: list[dict] = []
-        self._rotations: list[Rotation] = []
+        # weakly: a rotation's copies are freed once the benchmark's closures over it are
+        self._rotations: weakref.WeakSet[Rotation] = weakref.WeakSet()
 
     # ---- inputs ----
 
@@ -203,7 +205,7 @@ class Bench:
         """A Rotation over `items` that `measure` rewinds before each variant's first call, so that every variant's
         compared output comes from the same operands."""
         r = Rotation(items)
-        self._rotations.append(r)
+        self._rotations.add(r)
         return r
 
     def model_config(self):
