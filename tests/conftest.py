@@ -1,7 +1,5 @@
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Triton kernels run in the interpreter when there is no GPU (must be set before triton is imported).

@@ -12,7 +12,8 @@ import torch
 
 from qwen4exp import LLM
 from qwen4exp.config import ConfigError, EngineConfig
-from qwen4exp.entrypoints.cli import build_parser, main, resolve_model
+from qwen4exp.entrypoints.cli import build_parser, main
+from qwen4exp.entrypoints.default_model import resolve_model
 
 ENGINE_COMMANDS = [["serve"], ["generate"], ["bench", "latency"], ["bench", "throughput"]]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

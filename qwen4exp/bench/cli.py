@@ -1,16 +1,18 @@
-"""`qwen4exp bench latency|throughput|serve` (vLLM's flag and metric names); results as JSON."""
+"""`qwen4exp bench latency|throughput|serve` (vLLM's flag and metric names; results as JSON) and `qwen4exp bench
+suite` (the figures of docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from ..config import EngineConfig
-from ..entrypoints.cli import add_model_option
+from ..entrypoints.default_model import add_model_option, resolve_model
+from . import suite
 
 
 def _engine(args):
     from ..engine.engine import LLMEngine
-    from ..entrypoints.cli import resolve_model
 
     config = EngineConfig.from_cli_args(args)
     return LLMEngine(resolve_model(args.model), config)
@@ -68,3 +70,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=_serve)
+    p = bench.add_parser("suite", help="the H200 suite behind docs/benchmarks.md: qwen4exp (and transformers on the "
+                                       "same weights) on flash-next-128e random weights; results JSON, page and plot",
+                         description=suite.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    suite.add_suite_arguments(p)
+    p.set_defaults(func=suite.run)

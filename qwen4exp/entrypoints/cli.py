@@ -4,43 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
 import sys
-import tempfile
 from dataclasses import asdict
 
+from ..bench.cli import add_bench_parser
 from ..config import EngineConfig
-
-logger = logging.getLogger("qwen4exp")
-
-
-def resolve_model(model: str | None) -> str:
-    """`model`, or without one a random-weight `tiny` checkpoint, built on first use into $QWEN4EXP_CACHE_DIR
-    (default ~/.cache/qwen4exp) and reused afterwards, so that `serve` and `generate` run on a fresh machine."""
-    if model is not None:
-        return model
-    root = os.environ.get("QWEN4EXP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "qwen4exp")
-    path = os.path.join(root, "tiny-random")
-    action = "using the"
-    if not os.path.isdir(path):
-        from ..weights.random_checkpoint import make_random
-
-        os.makedirs(root, exist_ok=True)
-        # built beside its final place and renamed into it, so an interrupted build leaves no partial checkpoint
-        tmp = tempfile.mkdtemp(prefix=".tiny-random-", dir=root)
-        try:
-            make_random(tmp, "tiny", dtype="float32")  # float32 runs on the CPU too
-            os.rename(tmp, path)
-            action = "built a"
-        except OSError:
-            if not os.path.isdir(path):  # else another process built it first
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("no model given: %s random-weight tiny model in %s (its output is gibberish); pass a checkpoint "
-                "directory (`qwen4exp serve MODEL`, `qwen4exp generate --model MODEL`) to run a real one", action, path)
-    return path
+from .default_model import add_model_option, resolve_model
 
 
 def _make_random(args) -> None:
@@ -68,10 +37,41 @@ def _generate(args) -> None:
         print(f"--- {len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}")
 
 
-def add_model_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint directory (default: a random-weight tiny model, built once into "
-                        "$QWEN4EXP_CACHE_DIR, default ~/.cache/qwen4exp)")
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (config.json, safetensors, tokenizer); without it, a random-weight "
+                        "tiny model built once into $QWEN4EXP_CACHE_DIR (default ~/.cache/qwen4exp)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name clients pass as `model` (default: the model path); the first one is used")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument("--max-queued-requests", type=_non_negative_int, default=None,
+                   help="answer 503 when more requests than this would wait for a seat in the batch")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    EngineConfig.add_cli_args(p)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API",
+                              description="Serve MODEL through an OpenAI-compatible HTTP API.")
+    _add_serve_args(p)
+    p.set_defaults(func=serve_main)
+    return p
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    from .server import run_server  # FastAPI and uvicorn are imported by `serve` only
+
+    run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,11 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(g)
     g.set_defaults(func=_generate)
 
-    from .serve_cli import add_serve_parser
-
     add_serve_parser(sub)
-    from ..bench.cli import add_bench_parser
-
     add_bench_parser(sub)
     return p
 

@@ -376,11 +376,11 @@ def engine_config_from_args(args) -> EngineConfig:
 
 
 def run_server(args) -> None:
-    """Load the model from argparse `args` (see serve_cli.py) and serve until interrupted."""
+    """Load the model from argparse `args` (`qwen4exp serve`, entrypoints/cli.py) and serve until interrupted."""
     import uvicorn
 
     from ..engine.engine import LLMEngine
-    from .cli import resolve_model
+    from .default_model import resolve_model
 
     config = engine_config_from_args(args)
     model = resolve_model(args.model)

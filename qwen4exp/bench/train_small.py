@@ -1,20 +1,14 @@
 """A briefly trained `small` model, for the GPU-vs-CPU agreement check on a model whose predictions carry information.
 
 With random weights the next-token distributions are nearly uniform (median top-1 probability ~0.04 on `small`), so
-bf16 rounding flips the argmax at the many near-ties and the agreement figure measures the ties, not the engine
-(docs/benchmarks.md, "The 99% agreement target on a random model"). Here transformers' Qwen4ExpForCausalLM (the
-numerics reference) is trained for a fixed number of steps on the Python standard library's source files of the
-machine it runs on, tokenized with the repository's byte-level BPE; agreement is then measured on files held out of
-training.
-
-    python bench/train_small.py --steps 20 --device cpu      # a smoke run: loss must fall
-    python bench/train_small.py --agree --steps 300 --batch 8 --seq-len 256 --device cpu
-        # ~1 h on 2 cores: the CPU's bf16 engine against its fp32 engine on the trained model
+bf16 rounding flips the argmax at the many near-ties and an agreement figure would measure the ties, not the engine.
+Here transformers' Qwen4ExpForCausalLM (the numerics reference) is trained on the Python standard library's source
+files of the machine it runs on, tokenized with the repository's byte-level BPE; the suite's `agree_trained` stage
+(qwen4exp.bench.agreement) then measures agreement on files held out of training.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import importlib
@@ -42,7 +36,7 @@ def load_tokenizer():
     """The repository's byte-level BPE (the one make-random writes), and the id of its end-of-sequence token."""
     from tokenizers import Tokenizer
 
-    from qwen4exp.weights.tokenizer import build_tokenizer
+    from ..weights.tokenizer import build_tokenizer
 
     d = tempfile.mkdtemp()
     ids = build_tokenizer(d)
@@ -71,7 +65,7 @@ def token_streams(tok, eos: int, max_chars: int = 12_000_000, eval_every: int = 
 def hf_small_config(eos: int, dtype: str = "float32"):
     from transformers import Qwen4ExpTextConfig
 
-    from qwen4exp.weights.random_checkpoint import preset_config
+    from ..weights.random_checkpoint import preset_config
 
     d = preset_config("small", eos_token_id=eos, dtype=dtype)
     return Qwen4ExpTextConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
@@ -247,31 +241,3 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
               "last_loss_mean10": sum(losses[-10:]) / len(losses[-10:]), "train_s": time.perf_counter() - t0}
     return model.eval(), held, eos, record
 
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--seconds", type=float, default=None)
-    ap.add_argument("--agree", action="store_true",
-                    help="then bf16 on --device vs CPU fp32 on held-out files (h200_suite.trained_agreement)")
-    ap.add_argument("--spans", type=int, default=6)
-    ap.add_argument("--span-len", type=int, default=512)
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    if args.agree:
-        import json
-
-        from h200_suite import trained_agreement
-
-        r = trained_agreement(device, args.steps, args.seconds, args.batch, args.seq_len, args.spans, args.span_len)
-        print(json.dumps(r, indent=1))
-        return
-    _, _, _, record = train(device, args.steps, args.batch, args.seq_len, seconds=args.seconds)
-    print(record)
-
-
-if __name__ == "__main__":
-    main()

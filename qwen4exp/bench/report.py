@@ -1,0 +1,306 @@
+"""docs/benchmarks.md and its concurrency plot, generated from the suite's results JSON (`qwen4exp bench suite
+--stages report`). The page is a pure function of the results: tests regenerate it from docs/benchmarks_results.json
+and compare, so the page cannot drift from the data."""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+PAGE = "benchmarks.md"
+PLOT = "benchmarks_concurrency.png"
+
+
+def _f(x, fmt: str = "{:.1f}") -> str:
+    return fmt.format(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else "n/a"
+
+
+def _pct(x, digits: int = 2) -> str:
+    return _f(100 * x if isinstance(x, (int, float)) else None, f"{{:.{digits}f}}") + "%"
+
+
+def _commands(results: dict, stages: list[str]) -> list[str]:
+    """One line per distinct command among `stages`: the command, the commit and the stages it produced."""
+    seen: dict[tuple, list[str]] = {}
+    for stage in stages:
+        p = results.get("stages", {}).get(stage)
+        if p and stage in results:
+            seen.setdefault((p.get("command"), p.get("commit")), []).append(stage)
+    return [f"- `{command}` (commit {commit or 'n/a'}): {', '.join(f'`{s}`' for s in names)}"
+            for (command, commit), names in seen.items()]
+
+
+def _setup(results: dict) -> list[str]:
+    ours = results.get("ours", {})
+    env = results.get("stages", {}).get("ours", {}).get("env", {})
+    hf = results.get("hf", {})
+    fla = {True: "importable", False: "missing: GDN prefill ran the torch reference"}.get(env.get("fla_chunk_kernel"),
+                                                                                         "n/a")
+    return [
+        "## Setup", "",
+        f"- One {env.get('gpu', 'GPU')} (device-to-device copy bandwidth {_f(ours.get('copy_bandwidth_GBs'), '{:.0f}')}"
+        f" GB/s, bytes read + written); torch {env.get('torch', 'n/a')}, triton {env.get('triton', 'n/a')}, "
+        f"transformers {hf.get('transformers', env.get('transformers', 'n/a'))}, fla-core's chunk kernel {fla}.",
+        f"- Model: `flash-next-128e`, the released widths with 128 experts and an n-gram base of 2,000,000 "
+        f"({_f(ours.get('params_B'))}B parameters), random bf16 weights (`load_format=\"dummy\"`, seeded). "
+        "transformers' `Qwen4ExpForCausalLM` runs the very same weight tensors in the same process: its parameters "
+        "point at the engine's tensors, nothing is copied.",
+        "- Engine: `max_model_len` 33792, `max_num_seqs` 64, `gpu_memory_utilization` 0.92, CUDA graphs for decode "
+        f"batches of 1-64, step token budget {_f(ours.get('max_num_batched_tokens'), '{:d}')} (the device's default); "
+        f"startup {_f(ours.get('startup_s'))} s, graph capture and warm-up included.",
+        "- Requests: random token ids (seeded), greedy, each generating its full length (`ignore_eos`); figures "
+        "use vLLM's metric names (TTFT, TPOT, ITL). fla tunes its kernels in every process (the suite sets "
+        "`FLA_CACHE_RESULTS=0`).", ""]
+
+
+def _reproduce(results_name: str) -> list[str]:
+    return [
+        "## Reproduce", "",
+        "```bash",
+        "python -m pip install -e \".[gpu]\"",
+        "qwen4exp bench suite --out out   # every stage, one H200, ~20 minutes",
+        "```", "",
+        "It writes `out/benchmarks_results.json` (every raw number), `out/benchmarks.md` (this page) and the plot. "
+        "Stages may run in separate calls on the same `--out` (`--stages ours,hf`, then `--stages agree_trained`, "
+        "...); each records its command, commit and versions. This page is generated from "
+        f"[{results_name}]({results_name}): "
+        f"`qwen4exp bench suite --stages report --results docs/{results_name} --out docs`.", ""]
+
+
+def _results_table(results: dict) -> list[str]:
+    ours, hf = results.get("ours", {}), results.get("hf", {})
+    b1 = ours.get("decode_b1", {})
+    p8, p32 = ours.get("prefill_8k", {}), ours.get("prefill_32k", {})
+    c64 = ours.get("concurrency", {}).get("64", {})
+    ratio = ours["decode_b1_tok_s"] / hf["decode_b1_tok_s"] if "decode_b1_tok_s" in ours and hf else None
+    bandwidth = ours.get("copy_bandwidth_GBs")
+    step_bytes = ours.get("decode_b1_bytes_per_step")
+    roofline_ms = step_bytes / bandwidth / 1e6 if step_bytes and bandwidth else None
+    rows = [
+        ("batch-1 decode (128 in / 128 out), output tok/s", ">= 150",
+         f"**{_f(ours.get('decode_b1_tok_s'))}** (median TPOT {_f(b1.get('median_tpot_ms'), '{:.2f}')} ms)", "ours"),
+        (f"batch-1 decode vs transformers ({_f(hf.get('decode_b1_tok_s'), '{:.2f}')} tok/s, same weights)", ">= 15x",
+         f"**{_f(ratio)}x**", "hf"),
+        (f"batch-1 HBM roofline fraction ({_f(step_bytes / 1e9 if step_bytes else None, '{:.2f}')} GB a step "
+         f"at {_f(bandwidth, '{:.0f}')} GB/s = {_f(roofline_ms, '{:.2f}')} ms)", ">= 45%",
+         f"**{_pct(ours.get('decode_b1_roofline_fraction'), 1)}**", "ours"),
+        ("64 concurrent requests (1k in / 256 out), output tok/s", ">= 2000",
+         f"**{_f(c64.get('output_throughput'))}**", "ours"),
+    ]
+    cli = results.get("throughput_cli", {}).get("runs")
+    if cli:
+        rows.append(("... `qwen4exp bench throughput`, a fresh process a run", ">= 2000",
+                     "**" + " / ".join(_f(r["output_throughput"]) for r in cli) + "**", "throughput_cli"))
+    rows += [
+        ("prefill of one 8k prompt, tok/s", ">= 10000",
+         f"**{_f(p8.get('prefill_tok_s'), '{:.0f}')}** (TTFT {_f(1e3 * p8['ttft_s'] if p8 else None, '{:.0f}')} ms)",
+         "ours"),
+        ("prefill time, 32k prompt / 8k prompt", "<= 5",
+         f"**{_f(p32['ttft_s'] / p8['ttft_s'] if p32 and p8 else None, '{:.2f}')}** "
+         f"({_f(p32.get('ttft_s'), '{:.3f}')} s)", "ours"),
+    ]
+    trained = results.get("agree_trained", {})
+    for key, what in (("fp32_weights", "trained fp32 weights"), ("bf16_checkpoint", "their bf16 checkpoint")):
+        if key in trained:
+            rows.append((f"GPU bf16 vs CPU fp32 top-1 agreement, `small` trained briefly, {what}", ">= 99%",
+                         f"**{_pct(trained[key]['top1_agreement'])}**", "agree_trained"))
+    if trained:
+        nonfinite = sum(trained[k]["nonfinite_logits"] for k in ("fp32_weights", "bf16_checkpoint") if k in trained)
+        nonfinite += results.get("hf_check", {}).get("hf_nonfinite", 0)
+        rows.append(("non-finite logits (agreement runs, transformers' check)", "0", str(nonfinite), "agree_trained"))
+    lines = ["## Results", "", "| measure | target | measured | stage |", "|---|---|---|---|"]
+    lines += [f"| {m} | {t} | {v} | `{s}` |" for m, t, v, s in rows]
+    return lines + ["", "Each stage's command:", ""] + _commands(
+        results, ["ours", "hf", "throughput_cli", "agree_trained"]) + [""]
+
+
+def _concurrency(results: dict) -> list[str]:
+    conc = results.get("ours", {}).get("concurrency")
+    if not conc:
+        return []
+    lines = ["## Throughput vs concurrency", "",
+             "1k-token prompts, 256 output tokens each, all submitted at once (stage `ours`).", "",
+             "| concurrency | output tok/s | median TTFT ms | median TPOT ms | median ITL ms | p99 ITL ms | max ITL ms "
+             "| compiled during the run |", "|---|---|---|---|---|---|---|---|"]
+    for k in sorted(conc, key=int):
+        r = conc[k]
+        compiled = r.get("compiled_during_run", {})
+        kernels, graphs = compiled.get("triton_kernels"), compiled.get("dynamo_graphs")
+        what = ("nothing" if not kernels and not graphs else f"{len(kernels)} Triton kernels, {graphs} graphs") \
+            if kernels is not None else "n/a"
+        lines.append(f"| {k} | {_f(r['output_throughput'], '{:.0f}')} | {_f(r.get('median_ttft_ms'), '{:.0f}')} | "
+                     f"{_f(r.get('median_tpot_ms'), '{:.2f}')} | {_f(r.get('median_itl_ms'))} | "
+                     f"{_f(r.get('p99_itl_ms'))} | {_f(r.get('max_itl_ms'), '{:.0f}')} | {what} |")
+    return lines + ["", f"![output tok/s vs concurrency]({PLOT})", ""]
+
+
+def _same_weights(results: dict) -> list[str]:
+    check, hf = results.get("hf_check"), results.get("hf", {})
+    if not check:
+        return []
+    same = check.get("hf_first_tokens") == check.get("ours_first_tokens")
+    return ["## transformers and qwen4exp on the same weights", "",
+            f"On the 128-token prompt of the batch-1 run both pick the same top-1 token at "
+            f"{_pct(check.get('prompt_top1_agreement'), 1)} of positions (|logprob difference| mean "
+            f"{_f(check.get('prompt_logprob_mean_abs_diff'), '{:.3f}')}, max "
+            f"{_f(check.get('prompt_logprob_max_abs_diff'), '{:.3f}')}: bf16 rounding in a 48-layer model with random "
+            f"weights), and {'the same' if same else 'different'} first four greedy tokens "
+            f"({check.get('ours_first_tokens')}). transformers {hf.get('transformers', 'n/a')} ran its experts with "
+            f"`{hf.get('experts_implementation')}`; its decode speed is {hf.get('new_tokens')} tokens over the time "
+            f"`generate` takes for {_f(hf.get('new_tokens', 0) + 1, '{:d}')} new tokens minus its time for one.", ""]
+
+
+def _agreement(results: dict) -> list[str]:
+    trained = results.get("agree_trained")
+    if not trained or "fp32_weights" not in trained:
+        return []
+    t, a, b = trained["training"], trained["fp32_weights"], trained.get("bf16_checkpoint", {})
+    rows = [("GPU bf16 vs CPU fp32", "top1_agreement", _pct),
+            ("CPU bf16 vs CPU fp32 (bf16 arithmetic alone)", "cpu_bf16_reference_top1_agreement", _pct),
+            ("GPU bf16 vs CPU bf16", "gpu_vs_cpu_bf16_top1_agreement", _pct),
+            ("GPU bf16 vs CPU fp32, logits rounded to bf16", "top1_agreement_logits_rounded_to_bf16", _pct),
+            ("the reference's median top-1 probability", "median_top1_prob", lambda x: _f(x, "{:.2f}")),
+            ("largest reference top-2 logit gap where the GPU's top-1 differs",
+             "ref_top2_gap_max_where_top1_differs", lambda x: _f(x, "{:.3f}")),
+            ("non-finite logits", "nonfinite_logits", str)]
+    lines = ["## Agreement with the fp32 reference", "",
+             f"`small` trained with transformers for {_f(t['train_s'], '{:.0f}')} s on the GPU ({t['steps']} steps of "
+             f"{t['batch']} x {t['seq_len']} tokens of the Python standard library, loss "
+             f"{_f(t['first_loss'], '{:.2f}')} -> {_f(t['last_loss_mean10'], '{:.2f}')}), then teacher forcing over "
+             f"{a['positions']} held-out "
+             f"positions ({trained.get('spans', 'n/a')} spans of {trained.get('span_len', 'n/a')} tokens, "
+             f"{a['graph_decode_positions']} of them through CUDA-graph decode, the rest prefilled). The CPU fp32 "
+             "engine is the reference.", "",
+             "| top-1 agreement | trained fp32 weights | their bf16 checkpoint |", "|---|---|---|"]
+    lines += [f"| {what} | {fmt(a.get(key))} | {fmt(b.get(key))} |" for what, key, fmt in rows]
+    return lines + [""]
+
+
+def _table_on_host(results: dict) -> list[str]:
+    data = results.get("table_on_host")
+    if not data or not data.get("runs"):
+        return []
+    runs = data["runs"]
+    host = [r for r in runs if r["table_on_host"]]
+    gpu = [r for r in runs if not r["table_on_host"]]
+    if not host or not gpu:
+        return []
+
+    def med(rs, key):
+        return statistics.median(r[key] for r in rs)
+
+    t = host[0]
+    lines = ["## The released-size n-gram table in host memory", "",
+             f"`flash-next-128e` with the released n-gram base {data['ngram_base']:,}: one PLE table of "
+             f"{t['table_rows']:,} rows x 160 in fp8 (e4m3, one scale) = {_f(t['table_GB'])} GB, in page-locked host "
+             f"memory (`--ple-table-device cpu`) or in GPU memory. Engines built one after another in one process "
+             f"({', '.join(data['order'])}); each figure is the median over the engines of its placement "
+             "(stage `table_on_host`).", "",
+             "| measure | table in host memory | table in GPU memory | host / GPU |", "|---|---|---|---|"]
+    for what, key, fmt, ratio in (("batch-1 decode (128 in / 128 out), tok/s", "decode_b1_tok_s", "{:.1f}", "{:.3f}"),
+                                  ("64 concurrent (1k in / 256 out), output tok/s", "concurrency_64_tok_s", "{:.0f}",
+                                   "{:.3f}"),
+                                  ("weights on the GPU, GB", "gpu_weights_GB", "{:.1f}", None),
+                                  ("KV cache pages (16 tokens)", "cache_pages", "{:.0f}", None)):
+        h, g = med(host, key), med(gpu, key)
+        lines.append(f"| {what} | {_f(h, fmt)} | {_f(g, fmt)} | {_f(h / g, ratio) if ratio else ''} |")
+    for tokens in ("1", "64", "8192"):
+        h = statistics.median(r["gather_us"][tokens] for r in host)
+        g = statistics.median(r["gather_us"][tokens] for r in gpu)
+        lines.append(f"| one layer's row gather, {tokens} tokens x 16 rows, us | {_f(h)} | {_f(g)} | "
+                     f"{_f(h / g, '{:.2f}')} |")
+    return lines + ["", "Command:", ""] + _commands(results, ["table_on_host"]) + [""]
+
+
+def _known_limits(results: dict) -> list[str]:
+    lines = ["## Known limits", ""]
+    conc = results.get("ours", {}).get("concurrency", {})
+    c64 = conc.get("64")
+    if c64 and c64["output_throughput"] < 2000:
+        lines.append(f"- 64 concurrent requests reach {_f(c64['output_throughput'])} output tok/s, "
+                     f"{_pct(1 - c64['output_throughput'] / 2000, 1)} short of 2000 (a run of "
+                     f"{_f(c64['duration_s'], '{:.3f}')} s against 8.192 s); machines of the same type differ by "
+                     "about 2% on this run.")
+    large = [k for k in sorted(conc, key=int) if conc[k].get("max_itl_ms", 0) > 10 * conc[k].get("median_itl_ms", 1)]
+    if large:
+        lines.append(f"- The max ITL at concurrency {' and '.join(large)} is a prefill step of up to "
+                     f"{results['ours'].get('max_num_batched_tokens')} tokens, run eagerly, which the decodes already "
+                     "running wait for.")
+    lines.append("- Random weights: speed does not depend on the values except through routing (experts are hit "
+                 "about uniformly here) and QSA's block choice. Top-1 agreement does: with random weights the "
+                 "predictions are near-uniform and bf16 rounding flips the argmax at near-ties, so agreement is "
+                 "measured on a trained model.")
+    trained = results.get("agree_trained", {})
+    if "fp32_weights" in trained:
+        floor = [trained[k]["cpu_bf16_reference_top1_agreement"] for k in ("fp32_weights", "bf16_checkpoint")
+                 if k in trained]
+        lines.append(f"- Even on the trained model, bf16 arithmetic itself (the CPU's bf16 engine against its fp32 "
+                     f"engine) agrees with fp32 at {' / '.join(_pct(x) for x in floor)}: 99% is close to what any "
+                     "bf16 engine reaches on it.")
+    stages = results.get("stages", {})
+    host_commit = stages.get("table_on_host", {}).get("commit")
+    if host_commit and host_commit != stages.get("ours", {}).get("commit"):
+        lines.append(f"- The host-table figures were measured at commit {host_commit}, not the commit of the "
+                     "others: compare its two placements with each other.")
+    runs = results.get("table_on_host", {}).get("runs", [])
+    host = [r["gather_us"]["8192"] for r in runs if r["table_on_host"]]
+    gpu = [r["gather_us"]["8192"] for r in runs if not r["table_on_host"]]
+    if host and gpu:
+        lines.append(f"- The host table's gather of 8192 tokens' rows crosses PCIe in random 160-byte reads, "
+                     f"{_f(statistics.median(host) / statistics.median(gpu), '{:.0f}')}x slower than from HBM; it "
+                     "runs on a side stream during the layers before the PLE layer, which hide it at these step "
+                     "sizes.")
+    for stage in results.get("errors", {}):
+        lines.append(f"- Stage `{stage}` failed in its last run: see `errors` in the results JSON.")
+    return lines
+
+
+def write_plot(results: dict, out_dir: str) -> bool:
+    """The concurrency sweep's output tok/s (and transformers at batch 1) as a PNG; False without data."""
+    conc = results.get("ours", {}).get("concurrency")
+    if not conc:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = sorted(int(k) for k in conc)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(xs, [conc[str(x)]["output_throughput"] for x in xs], "o-", label="qwen4exp")
+    hf = results.get("hf", {})
+    if hf.get("decode_b1_tok_s"):
+        ax.plot([1], [hf["decode_b1_tok_s"]], "s", label="transformers (batch 1)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tok/s")
+    gpu = results.get("stages", {}).get("ours", {}).get("env", {}).get("gpu", "one GPU")
+    ax.set_title(f"flash-next-128e, bf16, {gpu}")
+    ax.legend()
+    fig.tight_layout()
+    # no metadata: the file depends on the results only
+    fig.savefig(os.path.join(out_dir, PLOT), dpi=120, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def render(results: dict, results_name: str) -> str:
+    """The page's markdown."""
+    lines = ["# Benchmarks", "",
+             "<!-- generated by `qwen4exp bench suite --stages report` (qwen4exp/bench/report.py) from "
+             f"{results_name}; edit those, not this file -->", ""]
+    for section in (_setup(results), _reproduce(results_name), _results_table(results), _concurrency(results),
+                    _same_weights(results), _agreement(results), _table_on_host(results), _known_limits(results)):
+        lines += section
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_report(results: dict, out_dir: str, results_name: str) -> str:
+    """Writes out_dir/benchmarks.md and the plot; returns the markdown."""
+    text = render(results, results_name)
+    with open(os.path.join(out_dir, PAGE), "w") as f:
+        f.write(text)
+    write_plot(results, out_dir)
+    return text

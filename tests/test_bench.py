@@ -1,0 +1,274 @@
+"""The benchmarks' CPU-checkable parts: the suite's command line and report (docs/benchmarks.md is generated from
+docs/benchmarks_results.json and must equal what the report makes of it), the timing and roofline helpers,
+transformers pointed at the engine's tensors, and every kernel benchmark run at tiny widths in the interpreter."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import runpy
+import sys
+
+import pytest
+import torch
+
+from qwen4exp.bench import report, suite
+from qwen4exp.bench.roofline import decode_bytes, roofline_fraction
+from qwen4exp.bench.timing import (
+    GRAPH_MAX_TOKENS,
+    Rotation,
+    copies_out_of_l2,
+    in_graph,
+    max_abs_diff,
+    time_per_call_us,
+)
+from qwen4exp.entrypoints.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+RESULTS = os.path.join(DOCS, suite.RESULTS_NAME)
+KERNEL_BENCHMARKS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "kernels", "bench_*.py")))
+
+
+def committed_results() -> dict:
+    with open(RESULTS) as f:
+        return json.load(f)
+
+
+# ---- the page and its data ----
+
+def test_benchmarks_page_is_the_report_of_the_committed_results():
+    with open(os.path.join(DOCS, report.PAGE)) as f:
+        page = f.read()
+    assert page == report.render(committed_results(), suite.RESULTS_NAME), (
+        "docs/benchmarks.md differs from its results: run `qwen4exp bench suite --stages report --results "
+        "docs/benchmarks_results.json --out docs`")
+    assert page.count("\n") <= 150
+
+
+def test_report_stage_writes_the_page_and_plot_and_leaves_the_results_alone(tmp_path, capsys):
+    with open(RESULTS, "rb") as f:
+        before = f.read()
+    main(["bench", "suite", "--stages", "report", "--results", RESULTS, "--out", str(tmp_path)])
+    with open(RESULTS, "rb") as f:
+        assert f.read() == before
+    with open(os.path.join(DOCS, report.PAGE)) as f:
+        assert (tmp_path / report.PAGE).read_text() == f.read()
+    assert (tmp_path / report.PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_partial_results_leaves_out_what_was_not_measured():
+    results = committed_results()
+    partial = {"stages": {"agree_trained": results["stages"]["agree_trained"]},
+               "agree_trained": results["agree_trained"]}
+    page = report.render(partial, suite.RESULTS_NAME)
+    assert "99.15%" in page and "## Agreement with the fp32 reference" in page
+    assert "## Throughput vs concurrency" not in page and "host memory" not in page
+
+
+def test_every_figure_of_the_page_has_the_command_that_produced_it():
+    results = committed_results()
+    page = report.render(results, suite.RESULTS_NAME)
+    for stage in ("ours", "hf", "agree_trained", "throughput_cli", "table_on_host"):
+        assert f"`{results['stages'][stage]['command']}`" in page, stage
+        assert results["stages"][stage]["command"].startswith("qwen4exp bench suite --stages ")
+
+
+def test_recorded_roofline_fraction_is_bytes_over_bandwidth_over_step_time():
+    ours = committed_results()["ours"]
+    fraction = roofline_fraction(ours["decode_b1_bytes_per_step"], ours["copy_bandwidth_GBs"] * 1e9,
+                                 ours["decode_b1"]["median_tpot_ms"] / 1e3)
+    assert fraction == pytest.approx(ours["decode_b1_roofline_fraction"], rel=1e-12)
+
+
+# ---- the suite's command line ----
+
+def test_suite_help_lists_the_stages(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "suite", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for stage in suite.STAGES:
+        assert stage in out
+    for flag in ("--stages", "--out", "--results", "--quick", "--train-seconds"):
+        assert flag in out
+
+
+@pytest.mark.parametrize("stages, message", [("ours,speed", "unknown stage"), ("hf,ours", "ours before hf"),
+                                             ("hf", "ours before hf")])
+def test_suite_rejects_bad_stages_naming_the_flag(stages, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "suite", "--stages", stages, "--out", "unused"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--stages" in err and message in err
+
+
+def test_recorded_command_names_the_stages_and_the_options_that_change_a_measurement():
+    p = __import__("argparse").ArgumentParser()
+    suite.add_suite_arguments(p)
+    args = p.parse_args(["--out", "somewhere", "--train-seconds", "60"])
+    assert suite.canonical_command(args, ["ours", "hf"]) == "qwen4exp bench suite --stages ours,hf"
+    assert (suite.canonical_command(args, ["agree_trained"])
+            == "qwen4exp bench suite --stages agree_trained --train-seconds 60")
+    args = p.parse_args(["--quick"])
+    assert suite.canonical_command(args, ["ours"]) == "qwen4exp bench suite --stages ours --quick"
+
+
+def test_throughput_cli_command_parses_as_bench_throughput():
+    from qwen4exp.entrypoints.cli import build_parser
+
+    command = suite.throughput_cli_command("MODEL", "out.json")
+    assert command[:3] == [sys.executable, "-m", "qwen4exp.entrypoints.cli"]
+    args = build_parser().parse_args(command[3:])
+    assert (args.bench_command, args.model, args.load_format, args.num_prompts, args.input_len, args.output_len,
+            args.max_num_seqs) == ("throughput", "MODEL", "dummy", 64, 1024, 256, 64)
+
+
+# ---- timing and roofline helpers ----
+
+def test_time_per_call_makes_the_calls_it_reports_on_the_cpu():
+    count = [0]
+
+    def fn():
+        count[0] += 1
+
+    us = time_per_call_us(fn, calls=3, graph=True, reps=4, device="cpu")
+    assert us > 0 and count[0] == 1 + 3 * 4
+    count[0] = 0
+    time_per_call_us(fn, calls=2, graph=False, reps=5, device="cpu", warm_up=False)
+    assert count[0] == 10
+
+
+def test_operand_copies_fill_the_l2_flush_budget_but_no_more_than_a_round_reads():
+    assert copies_out_of_l2(100 << 20, calls=48) == 3  # 300 MB >= 256 MB
+    assert copies_out_of_l2(1 << 20, calls=48) == 48  # a round reads 48
+    assert copies_out_of_l2(1 << 20, calls=1) == 4
+    assert copies_out_of_l2(2 << 30, calls=48) == 1
+
+
+def test_rotation_cycles_and_rewinds():
+    r = Rotation(["a", "b", "c"])
+    assert [r.next() for _ in range(4)] == ["a", "b", "c", "a"]
+    r.rewind()
+    assert r.next() == "a"
+    with pytest.raises(ValueError, match="items"):
+        Rotation([])
+
+
+def test_max_abs_diff_counts_equal_infinities_as_equal():
+    a = torch.tensor([1.0, float("-inf"), 3.0])
+    assert max_abs_diff(a, torch.tensor([1.5, float("-inf"), 3.0])) == 0.5
+    assert max_abs_diff((a, None, a), (a + 2, torch.zeros(1), a)) == 2.0
+    assert max_abs_diff(torch.zeros(0), torch.zeros(0)) == 0.0
+
+
+def test_graph_sizes_follow_the_engine():
+    from qwen4exp.engine.cuda_graph import MIXED_GRAPH_TOKENS
+
+    assert GRAPH_MAX_TOKENS == max(MIXED_GRAPH_TOKENS)
+    assert in_graph(1) and in_graph(GRAPH_MAX_TOKENS) and not in_graph(GRAPH_MAX_TOKENS + 1)
+
+
+def test_decode_bytes_reads_routed_experts_only_and_the_context_up_to_the_qsa_selection():
+    from qwen4exp.bench.engines import preset_model_config
+    from qwen4exp.model import Qwen4ExpForCausalLM
+
+    cfg = preset_model_config("tiny", dtype="float32")
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(cfg)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    attention_layers = cfg.num_hidden_layers - cfg.layer_types.count("linear_attention")
+    per_token = attention_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    selection = cfg.indexer_budget + cfg.indexer_compress_ratio - 1
+    assert decode_bytes(model, 10) - decode_bytes(model, 9) == per_token
+    assert decode_bytes(model, selection + 100) == decode_bytes(model, selection)
+    assert decode_bytes(model, 1) < params - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts) + 1e6
+
+
+# ---- transformers on the engine's tensors ----
+
+def test_transformers_pointed_at_the_engine_tensors_computes_transformers_logits():
+    """stage_hf's mapping: transformers built on the meta device and pointed at our engine's tensors by name gives
+    the logits transformers gives on the weights it was built with, holding the engine's storage (no copy)."""
+    from helpers import hf_config, hf_model, our_llm
+    from transformers import Qwen4ExpForCausalLM
+
+    cfg = hf_config()
+    original = hf_model(cfg)
+    engine_model = our_llm(original).llm_engine.model
+    with torch.device("meta"):
+        pointed = Qwen4ExpForCausalLM(cfg)
+    suite.point_at_engine_tensors(pointed, engine_model)
+    ours = {p.data_ptr() for p in engine_model.parameters()}
+    assert all(p.data_ptr() in ours for p in pointed.parameters())
+    ids = torch.randint(2, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(pointed.eval()(ids).logits, original(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+# ---- agreement ----
+
+@pytest.mark.slow
+def test_agreement_counts_every_position_and_bf16_flips_only_near_ties():
+    """top1_agreement with the CPU standing in for the GPU: the bf16 engine stepping one token at a time after the
+    prefill (as graph decode does) against the fp32 and the bf16 engine over whole sequences."""
+    from qwen4exp.bench.agreement import top1_agreement
+    from qwen4exp.bench.engines import preset_model_config
+    from qwen4exp.config import EngineConfig
+    from qwen4exp.engine.engine import LLMEngine
+
+    cfg = preset_model_config("tiny", dtype="float32")
+    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=80, page_size=16, max_num_seqs=1),
+                      dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
+    weights = {n: t.detach() for n, t in dummy.model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(10, cfg.vocab_size, (48,), generator=g).tolist() for _ in range(2)]
+    r = top1_agreement(cfg, weights, seqs, torch.device("cpu"), prefill=32)
+    assert (r["positions"], r["graph_decode_positions"], r["nonfinite_logits"]) == (96, 32, 0)
+    assert r["gpu_vs_cpu_bf16_top1_agreement"] >= 0.95
+    assert 0.9 <= r["top1_agreement"] < 1.0
+    assert r["ref_top2_gap_max_where_top1_differs"] < r["ref_top2_gap_median"]
+
+
+# ---- the kernel benchmarks and the step profiler ----
+
+def run_script(path: str, argv: list[str], monkeypatch):
+    monkeypatch.setattr(sys, "argv", [path, *argv])
+    runpy.run_path(path, run_name="__main__")
+
+
+@pytest.mark.parametrize("path", KERNEL_BENCHMARKS + [os.path.join(ROOT, "benchmarks", "profile_step.py")],
+                         ids=os.path.basename)
+def test_benchmark_help(path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_script(path, ["--help"], monkeypatch)
+    assert e.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_a_kernel_benchmark_for_every_op_family():
+    names = {os.path.basename(p)[len("bench_"):-len(".py")] for p in KERNEL_BENCHMARKS}
+    assert names == {"attention", "conv", "gated_delta", "hyper_connection", "linear", "moe", "norm", "qsa",
+                     "sampler", "table_gather"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", KERNEL_BENCHMARKS, ids=os.path.basename)
+def test_kernel_benchmark_variants_agree_at_tiny_widths(path, tmp_path, monkeypatch, capsys):
+    """Each benchmark at the tiny preset's widths in fp32, its Triton kernels in the interpreter: every
+    implementation it times returns what its case's first one (the reference) returns."""
+    out = tmp_path / "rows.json"
+    tokens = "1" if path.endswith("bench_linear.py") else "1,2"  # the interpreted GEMV is slow
+    run_script(path, ["--tiny", "--tokens", tokens, "--json", str(out)], monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert rows
+    for row in rows:
+        timed = [k for k in row if k.endswith("_us")]
+        assert timed and all(row[k] > 0 for k in timed), row
+        for k in row:
+            if k.endswith("_diff") and row[k] is not None:
+                assert row[k] <= 1e-5, (row["case"], row["tokens"], k, row[k])
+    assert "tokens" in capsys.readouterr().out
