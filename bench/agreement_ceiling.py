@@ -35,6 +35,7 @@ from h200_suite import preset  # noqa: E402
 from qwen4exp.config import EngineConfig  # noqa: E402
 from qwen4exp.engine.engine import LLMEngine  # noqa: E402
 from qwen4exp.engine.runner import RequestChunk  # noqa: E402
+from qwen4exp.model.merged_linear import named_checkpoint_tensors  # noqa: E402
 
 
 def engine(cfg, dtype: str, weights: dict | None = None) -> LLMEngine:
@@ -77,11 +78,11 @@ def main():
     cfg = preset("small")
     torch.manual_seed(0)
     fp32 = engine(cfg, "float32")
-    sd = {n: t.detach() for n, t in fp32.model.state_dict().items()}
+    sd = {t.name: t.tensor for t in named_checkpoint_tensors(fp32.model)}
     bf16 = engine(cfg, "bfloat16", sd)
     # round exactly what the bf16 engine stores in bf16 (it keeps A_log and dt_bias in fp32), so that the third
     # comparison sees identical weights on both sides
-    kept = {n: t.dtype for n, t in bf16.model.state_dict().items()}
+    kept = {t.name: t.tensor.dtype for t in named_checkpoint_tensors(bf16.model)}
     rounded = engine(cfg, "float32", {n: t.to(torch.bfloat16).to(torch.float32) if kept[n] == torch.bfloat16 else t
                                       for n, t in sd.items()})
     gen = torch.Generator().manual_seed(1)

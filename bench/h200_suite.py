@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen4exp.bench.compile_log import CompileLog  # noqa: E402
 from qwen4exp.config import EngineConfig, load_model_config  # noqa: E402
 from qwen4exp.engine.engine import LLMEngine  # noqa: E402
+from qwen4exp.model.merged_linear import named_checkpoint_tensors  # noqa: E402
 from qwen4exp.ops.gated_delta import fla_chunk  # noqa: E402
 from qwen4exp.weights.random_checkpoint import preset_config  # noqa: E402
 
@@ -154,7 +155,7 @@ def stage_agree(results, device):
     torch.manual_seed(0)
     dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=80, page_size=16, max_num_seqs=1),
                       dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
-    weights = {n: t.detach() for n, t in dummy.model.state_dict().items()}
+    weights = {t.name: t.tensor for t in named_checkpoint_tensors(dummy.model)}
     del dummy
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(10, cfg.vocab_size, (512,), generator=gen).tolist() for _ in range(3)]
@@ -252,7 +253,7 @@ def stage_hf(results, engine, new_tokens=16, preset_name="flash-next-128e"):
     hf_cfg = Qwen4ExpTextConfig(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures")})
     with torch.device("meta"):
         hf = Qwen4ExpForCausalLM(hf_cfg)
-    ours = dict(engine.model.named_parameters())
+    ours = {t.name: t.tensor for t in named_checkpoint_tensors(engine.model)}
     ours |= dict(engine.model.named_buffers())
     for name, _ in list(hf.named_parameters()) + list(hf.named_buffers()):
         mod_name, _, leaf = name.rpartition(".")
