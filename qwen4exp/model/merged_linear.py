@@ -55,11 +55,12 @@ class MergedLinear(nn.Module):
         """[x @ part.T + part bias for each part], views of one GEMM's output (its padding columns dropped)."""
         return ops.linear.merged_linear(x, self.weight, self.part_sizes, self.bias)
 
-    def zero_padding_(self) -> None:
-        """Zero the rows past the parts (after the parameters were re-allocated uninitialised)."""
+    def zero_unused_(self) -> None:
+        """Zero what no checkpoint tensor fills, the padding rows and the bias of the parts without one (after the
+        parameters were re-allocated uninitialised)."""
         self.weight.data[self.rows:].zero_()
         if self.bias is not None:
-            self.bias.data[self.rows:].zero_()
+            self.bias.data.zero_()
 
     def part_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint leaf, e.g. "in_proj_z.weight"; the rows it occupies, a view) for every part's tensors."""

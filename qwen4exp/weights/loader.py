@@ -72,7 +72,7 @@ def build_model(
     model: Qwen4ExpForCausalLM | None = None,
 ) -> Qwen4ExpForCausalLM:
     """Allocate the model directly on `device` (parameters uninitialised but for the merged projections' zero
-    padding rows; fp32 kept for A_log and dt_bias).
+    padding rows and biases; fp32 kept for A_log and dt_bias).
 
     The n-gram tables are stored in `table_dtype` (default `dtype`), with the model or in host memory; a host table
     of a GPU model is page-locked so that kernels read its rows in place. `model`: the config's model on the meta
@@ -96,7 +96,7 @@ def build_model(
         for name, b in list(module.named_buffers(recurse=False)):
             module._buffers[name] = b.to(device)
         if isinstance(module, MergedLinear):
-            module.zero_padding_()
+            module.zero_unused_()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
