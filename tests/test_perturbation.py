@@ -10,6 +10,7 @@ from helpers import hf_config, hf_logprobs, hf_model, our_llm, random_prompt
 
 from qwen4exp import ops
 from qwen4exp.engine.runner import RequestChunk
+from qwen4exp.model.merged_linear import named_checkpoint_tensors
 
 SENSITIVITY = 1e-3
 
@@ -44,27 +45,36 @@ def test_unperturbed_matches(setup):
     torch.testing.assert_close(run(llm, prompt), ref, atol=1e-4, rtol=0)
 
 
-def _param_kinds(model):
+def _tensor_kinds(model):
+    """One checkpoint tensor of each kind (its name with layer numbers as N): every part of a merged projection is a
+    kind of its own."""
     kinds = {}
-    for name, _ in model.named_parameters():
-        kinds.setdefault(re.sub(r"\.\d+\.", ".N.", name), name)
+    for t in named_checkpoint_tensors(model):
+        kinds.setdefault(re.sub(r"\.\d+\.", ".N.", t.name), t)
     return sorted(kinds.items())
+
+
+def test_perturbed_kinds_cover_every_checkpoint_tensor(setup):
+    hf, llm, prompt, ref = setup
+    kinds = dict(_tensor_kinds(llm.llm_engine.model))
+    assert {re.sub(r"\.\d+\.", ".N.", n) for n in hf.state_dict() if "ngram_heads" not in n
+            and "layer_multipliers" not in n} == set(kinds)
+    assert kinds["model.layers.N.linear_attn.in_proj_b.weight"].tensor.shape == (4, 32)
 
 
 def test_every_parameter_kind_matters(setup):
     hf, llm, prompt, ref = setup
     model = llm.llm_engine.model
     insensitive = []
-    for kind, name in _param_kinds(model):
-        p = dict(model.named_parameters())[name]
-        saved = p.data.clone()
+    for kind, t in _tensor_kinds(model):
+        saved = t.tensor.clone()
         # the indexer only acts through a discrete top-k, so it needs a push large enough to reorder blocks
-        scale = 1.0 if ".indexer." in name else 0.05 * (saved.float().std().item() or 1.0)
-        p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * scale)
+        scale = 1.0 if ".indexer." in t.name else 0.05 * (saved.float().std().item() or 1.0)
+        t.tensor.add_(torch.randn(t.tensor.shape, generator=torch.Generator().manual_seed(0)) * scale)
         try:
             diff = (run(llm, prompt) - ref).abs().max().item()
         finally:
-            p.data.copy_(saved)
+            t.tensor.copy_(saved)
         if diff < SENSITIVITY:
             insensitive.append((kind, diff))
     assert not insensitive, f"perturbing these parameters went unnoticed: {insensitive}"

@@ -13,6 +13,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from .common import RMSNorm
+from .merged_linear import MergedLinear
 from .metadata import StepMetadata
 from .state import AttentionCache
 
@@ -24,13 +25,13 @@ class QSAIndexer(nn.Module):
         self.head_dim = config.indexer_head_dim
         self.budget = config.indexer_budget
         self.compress_ratio = config.indexer_compress_ratio
-        self.index_qk_proj = nn.Linear(config.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
         self.q_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, qk, cos, sin, meta: StepMetadata, cache: AttentionCache, block_rope) -> torch.Tensor | None:
-        """qk: index_qk_proj(x) [T, (Hi+1)*Di]. Returns the selected logical token indices [T, budget + C - 1]
-        (-1 padded), or None when every context is short enough for all of it to be selected (dense)."""
+        """qk: index_qk_proj(x) [T, (Hi+1)*Di], a part of Attention.qkv_proj. Returns the selected logical token
+        indices [T, budget + C - 1] (-1 padded), or None when every context is short enough for all of it to be
+        selected (dense)."""
         q = qk[:, : self.n_heads * self.head_dim]  # the raw key, the rest, is already in the cache (Attention)
         norm = self.q_layernorm
         q = ops.rotary.norm_rope(q.reshape(-1, self.n_heads, self.head_dim), norm.weight, norm.eps, cos, sin)
@@ -51,9 +52,12 @@ class Attention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.scaling = self.head_dim**-0.5
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim * 2, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
+        kv = self.num_kv_heads * self.head_dim
+        parts = {"q_proj": self.num_heads * self.head_dim * 2, "k_proj": kv, "v_proj": kv}
+        if config.qsa:
+            parts["indexer.index_qk_proj"] = (c.indexer_n_heads + 1) * c.indexer_head_dim
+        biased = ("q_proj", "k_proj", "v_proj") if c.attention_bias else ()
+        self.qkv_proj = MergedLinear(c.hidden_size, parts, bias_parts=biased)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
@@ -61,8 +65,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: StepMetadata, cache: AttentionCache, block_rope) -> torch.Tensor:
         T = x.shape[0]
-        linears = [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
-        q, k, v, *index_qk = ops.linear.merged_linear(x, [m.weight for m in linears], [m.bias for m in linears])
+        q, k, v, *index_qk = self.qkv_proj(x)
         # q_proj packs [q_h | gate_h] per head
         q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = ops.rotary.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)

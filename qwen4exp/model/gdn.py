@@ -6,6 +6,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from .common import GatedRMSNorm
+from .merged_linear import MergedLinear
 from .metadata import StepMetadata
 from .state import GDNState
 
@@ -19,10 +20,8 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = nn.Linear(c.hidden_size, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj = MergedLinear(c.hidden_size, {"in_proj_qkv": conv_dim, "in_proj_z": self.value_dim,
+                                                    "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads})
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, c.linear_conv_kernel_dim, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -31,8 +30,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, state: GDNState) -> torch.Tensor:
         T = x.shape[0]
-        qkv, z, b, a = ops.linear.merged_linear(
-            x, [self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight])
+        qkv, z, b, a = self.in_proj(x)
         q, k, v = ops.conv.causal_conv1d(qkv, self.conv1d.weight[:, 0, :], state.conv, meta,
                                          split=(self.key_dim, self.key_dim, self.value_dim))
         core = ops.gated_delta.gated_delta_rule_raw(

@@ -13,6 +13,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from .common import RMSNorm
+from .merged_linear import MergedLinear
 
 
 class GatedResidual(nn.Module):
@@ -21,23 +22,26 @@ class GatedResidual(nn.Module):
         self.hc_count = config.hc_count
         self.hidden_size = config.hidden_size
         width = self.hc_count * self.hidden_size
+        self.rank = config.hc_lowrank
+        self.inject = use_combine
         self.hc_norm = RMSNorm(width, config.rms_norm_eps, group_size=self.hidden_size)
-        self.input_mix_weight_down = nn.Linear(width, config.hc_lowrank, bias=False)
-        self.input_mix_weight_up = nn.Linear(config.hc_lowrank, width, bias=False)
-        self.block_inject_weight = nn.Linear(width, self.hc_count, bias=False) if use_combine else None
+        if use_combine:  # the down projection and the injection weights read the normed streams: one GEMM
+            self.down_inject = MergedLinear(width, {"input_mix_weight_down": self.rank,
+                                                    "block_inject_weight": self.hc_count})
+        else:  # the final mixer: no injection
+            self.input_mix_weight_down = nn.Linear(width, self.rank, bias=False)
+        self.input_mix_weight_up = nn.Linear(self.rank, width, bias=False)
 
     def forward(self, streams: torch.Tensor, block_out: torch.Tensor | None = None,
                 block_inject: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """streams: [T, hc*H]; block_out, block_inject: the previous block's output and injection weights, combined
         into the streams first when given (one pass over the streams on the GPU, with the norm).
         Returns (streams, block input [T, H], injection weights [T, hc] or None for the final mixer)."""
-        weights = [self.input_mix_weight_down.weight]
-        if self.block_inject_weight is not None:
-            weights.append(self.block_inject_weight.weight)
+        # the down projection happens inside hc_mix, which takes the merged weight with its padding rows
+        w_down_inject = self.down_inject.weight if self.inject else self.input_mix_weight_down.weight
         return ops.hyper_connection.hc_mix(
-            streams, self.hc_norm.weight, ops.linear.merged_weight(weights, padded=True),
-            self.input_mix_weight_up.weight, self.hc_norm.eps, self.hc_count,
-            self.input_mix_weight_down.weight.shape[0], self.block_inject_weight is not None, block_out, block_inject,
+            streams, self.hc_norm.weight, w_down_inject, self.input_mix_weight_up.weight, self.hc_norm.eps,
+            self.hc_count, self.rank, self.inject, block_out, block_inject,
         )
 
 

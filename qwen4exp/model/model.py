@@ -1,4 +1,8 @@
-"""Qwen4-Exp text model over a flat token batch. Parameter names equal the checkpoint's (after expert stacking)."""
+"""Qwen4-Exp text model over a flat token batch.
+
+Parameter names equal the checkpoint's, except that experts are stacked (`mlp.experts.gate_up_proj`, as transformers
+stacks them) and that projections of one input are parts of a `MergedLinear`
+(`model.merged_linear.named_checkpoint_tensors` lists every parameter under its checkpoint names)."""
 
 import torch
 from torch import nn
@@ -76,28 +80,6 @@ class TextModel(nn.Module):
             streams, pending = layer(streams, pending, meta, cos, sin, cache.layers[i], cache.ple.get(i), rows,
                                      block_rope)
         return self.hyper_connection_mixer(streams, *(pending or ()))[1]
-
-
-def projection_groups(model: "Qwen4ExpForCausalLM") -> list[list[tuple[nn.Module, str]]]:
-    """Projections that read the same input, in the order their outputs are split (see ops/linear.py)."""
-    groups = []
-    for layer in model.model.layers:
-        if layer.layer_type == LINEAR:
-            a = layer.linear_attn
-            groups.append([(a.in_proj_qkv, "weight"), (a.in_proj_z, "weight"), (a.in_proj_b, "weight"),
-                           (a.in_proj_a, "weight")])
-        else:
-            a = layer.self_attn
-            linears = [a.q_proj, a.k_proj, a.v_proj] + ([a.indexer.index_qk_proj] if a.indexer else [])
-            groups.append([(m, "weight") for m in linears])
-        mlp = layer.mlp
-        groups.append([(mlp.gate, "weight"), (mlp.shared_expert_gate, "weight"),
-                       (mlp.shared_expert.gate_proj, "weight"), (mlp.shared_expert.up_proj, "weight")])
-        for hc in (layer.attn_hyper_connection, layer.mlp_hyper_connection):
-            groups.append([(hc.input_mix_weight_down, "weight"), (hc.block_inject_weight, "weight")])
-        if layer.ple is not None:
-            groups.append([(layer.ple.key_proj, "weight"), (layer.ple.value_proj, "weight")])
-    return groups
 
 
 class Qwen4ExpForCausalLM(nn.Module):

@@ -5,26 +5,15 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from .merged_linear import MergedLinear
 
 
-class MLP(nn.Module):
-    """SwiGLU weights of the shared expert (applied in SparseMoeBlock, fused with the router's GEMM)."""
+class SharedExpert(nn.Module):
+    """The shared expert's down projection; its gate_proj and up_proj are parts of SparseMoeBlock.in_proj."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-
-class Router(nn.Module):
-    """Router weights [E, H]; the softmax top-k is ops.moe.route."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
-        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
 
 class Experts(nn.Module):
@@ -41,14 +30,17 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate = Router(config)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        shared = config.shared_expert_intermediate_size
+        # every projection of the block input: router logits [E], the shared expert's gate logit, gate and up
+        self.in_proj = MergedLinear(config.hidden_size, {
+            "gate": config.num_experts, "shared_expert_gate": 1,
+            "shared_expert.gate_proj": shared, "shared_expert.up_proj": shared})
         self.experts = Experts(config)
-        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared_expert = SharedExpert(config.hidden_size, shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sh = self.shared_expert
-        router_logits, shared_gate, gate, up = ops.linear.merged_linear(
-            x, [self.gate.weight, self.shared_expert_gate.weight, sh.gate_proj.weight, sh.up_proj.weight])
-        weights, ids = ops.moe.route(router_logits, self.gate.top_k, self.gate.norm_topk_prob)
-        return self.experts(x, weights, ids, shared_expert=(gate, up, sh.down_proj.weight, shared_gate))
+        router_logits, shared_gate, gate, up = self.in_proj(x)
+        weights, ids = ops.moe.route(router_logits, self.top_k, self.norm_topk_prob)
+        return self.experts(x, weights, ids, shared_expert=(gate, up, self.shared_expert.down_proj.weight, shared_gate))

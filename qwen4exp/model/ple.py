@@ -14,6 +14,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from .common import RMSNorm
+from .merged_linear import MergedLinear
 from .metadata import StepMetadata
 
 _MASK64 = (1 << 64) - 1
@@ -129,8 +130,7 @@ class PLELayer(nn.Module):
         width = self.hidden_size * self.hc_count
         eps = config.rms_norm_eps
         self.ple_embedding = NGramEmbedding(config, ple_index)
-        self.key_proj = nn.Linear(config.ple_embed_dim, width, bias=False)
-        self.value_proj = nn.Linear(config.ple_embed_dim, self.hidden_size, bias=False)
+        self.key_value_proj = MergedLinear(config.ple_embed_dim, {"key_proj": width, "value_proj": self.hidden_size})
         self.norm_key = RMSNorm(width, eps, group_size=self.hidden_size)
         self.norm_query = RMSNorm(width, eps, group_size=self.hidden_size)
         self.norm_conv = RMSNorm(width, eps, group_size=self.hidden_size)
@@ -143,7 +143,7 @@ class PLELayer(nn.Module):
         self, streams: torch.Tensor, emb: torch.Tensor, meta: StepMetadata, conv_state: torch.Tensor
     ) -> torch.Tensor:
         """emb: this layer's n-gram rows [T, ple_embed_dim] in the streams' dtype (NGramPrefetch)."""
-        key, value = ops.linear.merged_linear(emb, [self.key_proj.weight, self.value_proj.weight])
+        key, value = self.key_value_proj(emb)
         gated = ops.ngram.ple_gate(self.norm_query(streams), self.norm_key(key), value, self.hidden_size)
         conv = ops.conv.causal_conv1d(self.norm_conv(gated), self.conv1d.weight[:, 0, :], conv_state, meta,
                                       dilation=self.dilation)

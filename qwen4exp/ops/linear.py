@@ -1,14 +1,10 @@
-"""Several projections of one input as a single GEMM.
-
-`build_model` lays the weights of projections that read the same input (e.g. GDN's in_proj_qkv/z/b/a) out as
-adjacent rows of one buffer, each parameter a view keeping its checkpoint name. Reading them as one [sum(out), in]
-matrix turns several small GEMMs into one larger, better-fed one, with no extra copy of the weights.
-
-The buffer ends with zero rows up to a multiple of ROW_ALIGN: an output row of 1409 bf16 values (the MoE router,
-shared gate and shared expert) is not 16-byte aligned, and cuBLAS then falls back to a kernel 3-4x slower.
+"""Linear projections.
 
 `linear` is F.linear, except for one token on the GPU (decode), where cuBLAS runs these widths well below HBM
 bandwidth: there it is one Triton GEMV launch (linear_triton.py).
+
+`merged_linear` is one `linear` over the stacked weights of several projections of the same input, split into their
+outputs (the weights of `model.merged_linear.MergedLinear`).
 
 `output_linear` is `linear` for the blocks' output projections (GDN out_proj, attention o_proj), whose only reader
 is the next hyper-connection mix: at 2 to tuning.PARTIALS_MAX_TOKENS tokens on the GPU it returns fp32 partial products
@@ -25,32 +21,6 @@ from ._dispatch import HAS_TRITON, fast_path
 
 if HAS_TRITON:
     from . import linear_triton
-
-
-ROW_ALIGN = 8
-
-
-def merged_weight(weights: list[torch.Tensor], padded: bool = False) -> torch.Tensor:
-    """The weights as one matrix: a view when they are adjacent rows of one storage, else a concatenated copy.
-    With `padded`, the view also covers the buffer's zero rows (if present) up to a multiple of ROW_ALIGN."""
-    first = weights[0]
-    if len(weights) == 1:
-        return first
-    rows = first.shape[0]
-    adjacent = first.is_contiguous()
-    for prev, w in zip(weights, weights[1:]):
-        adjacent = adjacent and w.is_contiguous() and w.dtype == first.dtype and w.shape[1:] == first.shape[1:] and (
-            w.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size())
-        rows += w.shape[0]
-    def fits(n):
-        return first.untyped_storage().nbytes() >= (
-            first.storage_offset() * first.element_size() + n * first[0].numel() * first.element_size())
-
-    if adjacent and fits(rows):
-        if padded and fits(rows + (-rows) % ROW_ALIGN):
-            rows += (-rows) % ROW_ALIGN
-        return first.as_strided((rows, *first.shape[1:]), first.stride())
-    return torch.cat(weights)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,27 +76,9 @@ def fp32_out_linear(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 327
     return out
 
 
-def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list | None = None) -> list[torch.Tensor]:
-    """[F.linear(x, w) for w in weights], computed as one GEMM."""
-    bias = None
-    if biases is not None and any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else x.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-    w = merged_weight(weights, padded=bias is None)
-    y = linear(x, w, bias)
-    sizes = [w.shape[0] for w in weights]
-    return list(y.split(sizes + [y.shape[-1] - sum(sizes)], dim=-1))[: len(weights)]
-
-
-def merge_rows_(module_weights: list[tuple[torch.nn.Module, str]]) -> None:
-    """Re-point each (module, parameter name) at adjacent rows of one new buffer (values are not preserved)."""
-    params = [getattr(m, n) for m, n in module_weights]
-    if len({(p.dtype, p.device, p.shape[1:]) for p in params}) != 1:
-        return
-    rows = sum(p.shape[0] for p in params)
-    buf = torch.empty((rows + (-rows) % ROW_ALIGN, *params[0].shape[1:]), dtype=params[0].dtype,
-                      device=params[0].device)
-    buf[rows:].zero_()
-    row = 0
-    for (m, n), p in zip(module_weights, params):
-        setattr(m, n, torch.nn.Parameter(buf[row: row + p.shape[0]], requires_grad=False))
-        row += p.shape[0]
+def merged_linear(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...],
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The outputs of projections stacked in `weight` (`sizes` rows each, then any padding rows), from one `linear`:
+    views of its output columns, the padding's dropped."""
+    y = linear(x, weight, bias)
+    return y.split((*sizes, weight.shape[0] - sum(sizes)), dim=-1)[: len(sizes)]

@@ -12,7 +12,7 @@ import torch
 
 
 def fill_(name: str, t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Fill `t` (named as in the model, e.g. model.layers.0.linear_attn.A_log) in place and return it."""
+    """Fill `t`, checkpoint tensor `name` (e.g. model.layers.0.linear_attn.A_log), in place and return it."""
     g = generator
     work = (t if t.dtype in (torch.float32, torch.float64)
             else torch.empty(t.shape, dtype=torch.float32, device=t.device))

@@ -1,16 +1,19 @@
 """Checkpoint loading: HF safetensors (one file or an index with shards) into `Qwen4ExpForCausalLM`.
 
-Name mapping (all rules live in `_target`):
-- `model.language_model.*` (multimodal checkpoints) and `model.*` both map to the text model; `model.visual.*` and
-  `mtp.*` are skipped, as are `hashstats_*`, `token_lookup` and the final mixer's unused `block_inject_weight`.
-- Per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` are copied into slices of the stacked expert tensors;
-  already stacked `experts.gate_up_proj` / `experts.down_proj` are taken as they are.
-- `ple.ple_embedding.ngram_embedding.shard_{i}.weight` are written in order into `ngram_embedding.weight`, straight
-  into the table's final place (GPU, or page-locked host memory) and dtype (an fp8 table is quantised on the way
-  with one scale per table; an fp8 checkpoint table brings its `ngram_embedding.weight_scale`).
-- The PLE hash buffers, when present, must equal the values computed from the config.
+A checkpoint name, with `model.language_model.` (multimodal checkpoints) read as `model.`, is handled by the first
+entry of `RULES` whose pattern it matches:
+- skipped: `model.visual.*`, `mtp.*`, `hashstats_*`, `token_lookup` and the final mixer's unused
+  `block_inject_weight`;
+- per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`: copied into expert e's rows of the stacked expert tensors
+  (`EXPERT_PARTS`); already stacked `experts.gate_up_proj` / `experts.down_proj` are plain tensors;
+- the n-gram table, whole or as `ngram_embedding.shard_{i}.weight`: written in order into `ngram_embedding.weight`,
+  straight into the table's final place (GPU, or page-locked host memory) and dtype (an fp8 table is quantised on the
+  way with one scale per table; an fp8 checkpoint table brings its `ngram_embedding.weight_scale`);
+- the PLE hash buffers, which must equal the values computed from the config;
+- any other name: a model tensor (`model.merged_linear.named_checkpoint_tensors`), a parameter or one part of a
+  merged projection, which loads it (`CheckpointTensor.load_`).
 Tensors are copied into preallocated parameters one at a time; errors list every missing, unexpected and
-mis-shaped tensor by name.
+mis-shaped tensor by its checkpoint name.
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..model import Qwen4ExpForCausalLM
-from ..model.model import projection_groups
-from ..ops.linear import merge_rows_
+from ..model.merged_linear import MergedLinear, TensorShapeError, copy_checked_, named_checkpoint_tensors
 from .init import fill_
 from .ngram_table import (FP8, fill_random_, fp8_scale, host_empty, on_host, resolve_table_dtype, resolve_table_on_host,
                           write_rows_)
@@ -34,14 +36,22 @@ from .safetensors_io import checkpoint_files, iterate_files, read_infos
 
 logger = logging.getLogger("qwen4exp")
 
-_SKIP = re.compile(
-    r"^(model\.visual\.|mtp\.|model\.mtp\.)|hashstats_|token_lookup|hyper_connection_mixer\.block_inject_weight|"
-    r"rotary_emb\.inv_freq"
+# an n-gram table in shards, or whole
+_SHARD = re.compile(r"^(?P<table>.*\.ngram_embedding)\.(?:shard_(?P<shard>\d+)\.)?weight$")
+# (rule, pattern): see the module docstring; the first match handles the tensor
+RULES: tuple[tuple[str, re.Pattern], ...] = (
+    ("skip", re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)|hashstats_|token_lookup|"
+                        r"hyper_connection_mixer\.block_inject_weight|rotary_emb\.inv_freq")),
+    ("expert", re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                          r"\.weight$")),
+    ("table_scale", re.compile(r"^(?P<table>.*\.ngram_embedding)\.weight_scale$")),
+    ("table_rows", _SHARD),
+    ("hash_buffer", re.compile(r"\.(layer_multipliers|ngram_heads_vocab_sizes|ngram_heads_offsets)$")),
+    ("tensor", re.compile("")),
 )
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_SHARD = re.compile(r"^(.*\.ngram_embedding)\.(?:shard_(\d+)\.)?weight$")  # a table in shards, or whole
-_TABLE_SCALE = re.compile(r"^(.*\.ngram_embedding)\.weight_scale$")
-_HASH_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+# a per-expert projection -> (the stacked parameter, which of its equal row chunks of expert e, of how many)
+EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),
+                "down_proj": ("down_proj", 0, 1)}
 
 
 class WeightLoadError(ValueError):
@@ -61,7 +71,8 @@ def build_model(
     table_dtype: torch.dtype | None = None,
     model: Qwen4ExpForCausalLM | None = None,
 ) -> Qwen4ExpForCausalLM:
-    """Allocate the model directly on `device` (parameters uninitialised; fp32 kept for A_log and dt_bias).
+    """Allocate the model directly on `device` (parameters uninitialised but for the merged projections' zero
+    padding rows and biases; fp32 kept for A_log and dt_bias).
 
     The n-gram tables are stored in `table_dtype` (default `dtype`), with the model or in host memory; a host table
     of a GPU model is page-locked so that kernels read its rows in place. `model`: the config's model on the meta
@@ -84,10 +95,10 @@ def build_model(
             setattr(module, name, torch.nn.Parameter(new, requires_grad=False))
         for name, b in list(module.named_buffers(recurse=False)):
             module._buffers[name] = b.to(device)
+        if isinstance(module, MergedLinear):
+            module.zero_unused_()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for group in projection_groups(model):
-        merge_rows_(group)
     return model.eval()
 
 
@@ -97,165 +108,193 @@ def _normalise(name: str) -> str:
     return name
 
 
+class _TableRows:
+    """One n-gram table arriving whole or in row shards, possibly out of order."""
+
+    def __init__(self, name: str, dest: torch.Tensor, shard_rows: list[int] | None, scale: float | None):
+        self.name, self.dest, self.shard_rows, self.scale = name, dest, shard_rows, scale
+        self.seen: dict[int, int] = {}  # shard index -> rows
+        self.pending: dict[int, torch.Tensor] = {}  # shards that came before shard 0 fixed the shard size
+        self.fp8_source = False
+        self.checkpoint_scale: float | None = None
+        self.started = time.perf_counter()
+        self.bar = tqdm(total=dest.shape[0], unit="rows", unit_scale=True, leave=False, disable=None,
+                        desc=name.split(".ple.")[0] + " n-gram rows")
+
+    def add(self, index: int, tensor: torch.Tensor, errors: list[str]) -> None:
+        """Without `shard_rows`, shards must have equal rows except the last, and shard 0 fixes the size."""
+        if self.shard_rows is not None:
+            self._place(index, tensor, sum(self.shard_rows[:index]), errors)
+        elif 0 in self.seen or index == 0:
+            rows0 = tensor.shape[0] if index == 0 else self.seen[0]
+            self._place(index, tensor, index * rows0, errors)
+            for i, t in sorted(self.pending.items()):
+                self._place(i, t, i * rows0, errors)
+            self.pending.clear()
+        else:
+            self.pending[index] = tensor
+
+    def _place(self, index: int, tensor: torch.Tensor, offset: int, errors: list[str]) -> None:
+        dest = self.dest
+        if tensor.dim() != 2 or tensor.shape[1] != dest.shape[1] or offset + tensor.shape[0] > dest.shape[0]:
+            errors.append(f"{self.name} shard {index}: {tuple(tensor.shape)} at row {offset} does not fit "
+                          f"{tuple(dest.shape)}")
+            return
+        scale = 1.0
+        if tensor.dtype == FP8:
+            self.fp8_source = True
+        elif dest.dtype == FP8:
+            if self.scale is None:
+                raise ValueError(f"{self.name}: quantising to fp8 needs the table's scale (a first pass over its rows)")
+            scale = self.scale
+        write_rows_(dest.data, offset, tensor, scale)
+        self.bar.update(tensor.shape[0])
+        self.seen[index] = tensor.shape[0]
+
+    def finish(self, scale_buffer: torch.Tensor, errors: list[str]) -> None:
+        self.bar.close()
+        dest, name = self.dest, self.name
+        if self.pending:
+            errors.append(f"{name}: shards {sorted(self.pending)} arrived without shard 0")
+        idx = sorted(self.seen)
+        if idx != list(range(len(idx))):
+            errors.append(f"{name}: shard indices {idx} are not contiguous from 0")
+        elif self.seen and sum(self.seen.values()) != dest.shape[0]:
+            errors.append(f"{name}: shards hold {sum(self.seen.values())} rows, the model needs {dest.shape[0]}")
+        if self.fp8_source and self.checkpoint_scale is None:
+            errors.append(f"{name}: the table is float8 but the checkpoint has no "
+                          f"{name.removesuffix('.weight')}.weight_scale")
+        quantised = dest.dtype == FP8 and not self.fp8_source and self.scale is not None
+        scale_buffer.fill_((self.scale if quantised else 1.0) * (self.checkpoint_scale or 1.0))
+        if not self.seen:
+            return
+        place = (("page-locked " if dest.is_pinned() else "") + "host memory") if on_host(dest) else str(dest.device)
+        logger.info("%s: %d x %d %s in %s (%.2f GiB), loaded in %.1f s", name, dest.shape[0], dest.shape[1],
+                    str(dest.dtype).removeprefix("torch."), place, dest.numel() * dest.element_size() / 2**30,
+                    time.perf_counter() - self.started)
+
+
+class _Loading:
+    """The state of one `load_weights`: one method per rule of RULES, each given the checkpoint name as it came, the
+    rule's match over the normalised name (`m.string`) and the tensor."""
+
+    def __init__(self, model: Qwen4ExpForCausalLM, shard_rows: dict[str, list[int]] | None,
+                 table_scales: dict[str, float] | None):
+        self.targets = {t.name: t for t in named_checkpoint_tensors(model)}
+        self.params = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+        self.tied_lm_head = model.config.tie_word_embeddings
+        self.shard_rows, self.table_scales = shard_rows or {}, table_scales or {}
+        self.loaded: set[str] = set()  # names of self.targets
+        self.expert_parts: dict[str, set[tuple[int, str]]] = {}
+        self.tables: dict[str, _TableRows] = {}
+        self.checkpoint_scales: dict[str, float] = {}
+        self.unexpected: list[str] = []
+        self.misshaped: list[str] = []
+
+    def skip(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
+        pass
+
+    def expert(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
+        param, chunk, chunks = EXPERT_PARTS[m["proj"]]
+        stacked, e = f"{m['experts']}.{param}", int(m["expert"])
+        if stacked not in self.params or e >= self.params[stacked].shape[0]:
+            self.unexpected.append(raw_name)
+            return
+        copy_checked_(self.params[stacked].data[e].chunk(chunks)[chunk], tensor, raw_name)
+        self.expert_parts.setdefault(stacked, set()).add((e, m["proj"]))
+
+    def table_scale(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
+        table = m["table"] + ".weight"
+        if table not in self.params:
+            self.unexpected.append(raw_name)
+        else:
+            self.checkpoint_scales[table] = float(tensor.float().reshape(-1)[0])
+
+    def table_rows(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
+        table = m["table"] + ".weight"
+        if table not in self.params:
+            self.unexpected.append(raw_name)
+            return
+        if table not in self.tables:
+            self.tables[table] = _TableRows(table, self.params[table], self.shard_rows.get(table),
+                                            self.table_scales.get(table))
+        self.tables[table].add(int(m["shard"] or 0), tensor, self.misshaped)
+
+    def hash_buffer(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
+        expected = self.buffers.get(m.string)
+        if expected is None:
+            self.unexpected.append(raw_name)
+        elif not torch.equal(tensor.to(expected.device).long(), expected):
+            self.misshaped.append(f"{raw_name}: checkpoint values {tensor.tolist()} differ from the values computed "
+                                  f"from the config {expected.tolist()}")
+
+    def tensor(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
+        name = m.string
+        if name not in self.targets:
+            if not (name == "lm_head.weight" and self.tied_lm_head):
+                self.unexpected.append(raw_name)
+            return
+        self.targets[name].load_(tensor, raw_name)
+        self.loaded.add(name)
+
+    def finish(self) -> None:
+        """Raise WeightLoadError naming every missing, unexpected and mis-shaped tensor."""
+        for table, rows in self.tables.items():
+            rows.checkpoint_scale = self.checkpoint_scales.get(table)
+            rows.finish(self.buffers[table + "_scale"], self.misshaped)
+            if rows.seen:
+                self.loaded.add(table)
+        for stacked, parts in self.expert_parts.items():
+            kinds = [k for k, (param, _, _) in EXPERT_PARTS.items() if stacked.endswith("." + param)]
+            experts = self.params[stacked].shape[0]
+            if len(parts) != experts * len(kinds):
+                missing = sorted(set(range(experts)) - {e for e, _ in parts}) or "some projections"
+                self.misshaped.append(f"{stacked}: experts {missing} missing from the checkpoint")
+            self.loaded.add(stacked)
+        missing = [n for n in self.targets if n not in self.loaded]
+        parts = []
+        if missing:
+            parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+        if self.unexpected:
+            parts.append(f"unexpected tensors ({len(self.unexpected)}): {', '.join(self.unexpected)}")
+        if self.misshaped:
+            parts.append(f"mis-shaped tensors ({len(self.misshaped)}): {'; '.join(self.misshaped)}")
+        if parts:
+            raise WeightLoadError("checkpoint does not match the model:\n  " + "\n  ".join(parts))
+
+
 def load_weights(
     model: Qwen4ExpForCausalLM,
     weights: Iterable[tuple[str, torch.Tensor]],
     shard_rows: dict[str, list[int]] | None = None,
     table_scales: dict[str, float] | None = None,
 ) -> None:
-    """Copy (name, tensor) pairs into `model`. `shard_rows` (table name -> rows of each shard, in order) gives exact
-    offsets for n-gram shards; without it shards must have equal rows except the last, and shard 0 fixes the size.
-    `table_scales` (table name -> scale) quantises rows arriving in another dtype for an fp8 table."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    cfg = model.config
-    loaded: set[str] = set()
-    expert_parts: dict[str, set] = {}
-    unexpected, misshaped = [], []
-    shard_seen: dict[str, dict[int, int]] = {}
-    pending: dict[str, dict[int, torch.Tensor]] = {}
-    fp8_source: set[str] = set()
-    checkpoint_scales: dict[str, float] = {}
-    started: dict[str, tuple[float, tqdm]] = {}
-
-    def check(name, tensor, expected) -> bool:
-        if tuple(tensor.shape) != tuple(expected):
-            misshaped.append(f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(expected)}")
-            return False
-        return True
-
-    def place_shard(table: str, index: int, tensor: torch.Tensor, offset: int) -> None:
-        dest = params[table]
-        if tensor.dim() != 2 or tensor.shape[1] != dest.shape[1] or offset + tensor.shape[0] > dest.shape[0]:
-            misshaped.append(
-                f"{table} shard {index}: {tuple(tensor.shape)} at row {offset} does not fit {tuple(dest.shape)}"
-            )
-            return
-        if table not in started:
-            bar = tqdm(total=dest.shape[0], unit="rows", unit_scale=True, desc=table.split(".ple.")[0] + " n-gram rows",
-                       leave=False, disable=None)
-            started[table] = (time.perf_counter(), bar)
-        scale = 1.0
-        if tensor.dtype == FP8:
-            fp8_source.add(table)
-        elif dest.dtype == FP8:
-            if table_scales is None or table not in table_scales:
-                raise ValueError(f"{table}: quantising to fp8 needs the table's scale (a first pass over its rows)")
-            scale = table_scales[table]
-        write_rows_(dest.data, offset, tensor, scale)
-        started[table][1].update(tensor.shape[0])
-        shard_seen.setdefault(table, {})[index] = tensor.shape[0]
-
+    """Copy (name, tensor) pairs into `model` by RULES. `shard_rows` (table name -> rows of each shard, in order) gives
+    exact offsets for n-gram shards; without it shards must have equal rows except the last, and shard 0 fixes the
+    size. `table_scales` (table name -> scale) quantises rows arriving in another dtype for an fp8 table."""
+    loading = _Loading(model, shard_rows, table_scales)
     for raw_name, tensor in weights:
-        if _SKIP.search(raw_name):
-            continue
         name = _normalise(raw_name)
-        if m := _EXPERT.match(name):
-            prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-            target = f"{prefix}.down_proj" if kind == "down_proj" else f"{prefix}.gate_up_proj"
-            if target not in params:
-                unexpected.append(raw_name)
-                continue
-            dest = params[target]
-            inter = cfg.moe_intermediate_size
-            if e >= dest.shape[0]:
-                unexpected.append(raw_name)
-                continue
-            view = dest.data[e] if kind == "down_proj" else dest.data[e, (0 if kind == "gate_proj" else inter):][:inter]
-            if check(raw_name, tensor, view.shape):
-                view.copy_(tensor)
-                expert_parts.setdefault(target, set()).add((e, kind))
-            continue
-        if m := _TABLE_SCALE.match(name):
-            if m.group(1) + ".weight" not in params:
-                unexpected.append(raw_name)
-            else:
-                checkpoint_scales[m.group(1) + ".weight"] = float(tensor.float().reshape(-1)[0])
-            continue
-        if m := _SHARD.match(name):
-            table, index = m.group(1) + ".weight", int(m.group(2) or 0)
-            if table not in params:
-                unexpected.append(raw_name)
-                continue
-            if shard_rows is not None and table in shard_rows:
-                place_shard(table, index, tensor, sum(shard_rows[table][:index]))
-            elif index == 0 or table in shard_seen and 0 in shard_seen[table]:
-                rows0 = tensor.shape[0] if index == 0 else shard_seen[table][0]
-                place_shard(table, index, tensor, index * rows0)
-                for i, t in pending.pop(table, {}).items():
-                    place_shard(table, i, t, i * rows0)
-            else:
-                pending.setdefault(table, {})[index] = tensor  # placed once shard 0 fixes the shard size
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in _HASH_BUFFERS and name in buffers:
-            if not torch.equal(tensor.to(buffers[name].device).long(), buffers[name]):
-                misshaped.append(f"{raw_name}: checkpoint values {tensor.tolist()} differ from the values computed "
-                                 f"from the config {buffers[name].tolist()}")
-            continue
-        if name not in params:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            unexpected.append(raw_name)
-            continue
-        if check(raw_name, tensor, params[name].shape):
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-
-    for table, shards in pending.items():
-        misshaped.append(f"{table}: shards {sorted(shards)} arrived without shard 0")
-    for table, seen in shard_seen.items():
-        idx = sorted(seen)
-        rows = sum(seen.values())
-        if idx != list(range(len(idx))):
-            misshaped.append(f"{table}: shard indices {idx} are not contiguous from 0")
-        elif rows != params[table].shape[0]:
-            misshaped.append(f"{table}: shards hold {rows} rows, the model needs {params[table].shape[0]}")
-        loaded.add(table)
-        t0, bar = started[table]
-        bar.close()
-        dest = params[table]
-        if table in fp8_source and table not in checkpoint_scales:
-            misshaped.append(f"{table}: the table is float8 but the checkpoint has no "
-                             f"{table.removesuffix('.weight')}.weight_scale")
-        scale = (table_scales or {}).get(table, 1.0) if dest.dtype == FP8 and table not in fp8_source else 1.0
-        buffers[table + "_scale"].fill_(scale * checkpoint_scales.get(table, 1.0))
-        place = (("page-locked " if dest.is_pinned() else "") + "host memory") if on_host(dest) else str(dest.device)
-        logger.info("%s: %d x %d %s in %s (%.2f GiB), loaded in %.1f s", table, dest.shape[0], dest.shape[1],
-                    str(dest.dtype).removeprefix("torch."), place, dest.numel() * dest.element_size() / 2**30,
-                    time.perf_counter() - t0)
-    for target, parts in expert_parts.items():
-        kinds = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
-        if len(parts) == params[target].shape[0] * len(kinds):
-            loaded.add(target)
-        else:
-            have = {e for e, _ in parts}
-            missing = sorted(set(range(params[target].shape[0])) - have) or "some projections"
-            misshaped.append(f"{target}: experts {missing} missing from the checkpoint")
-            loaded.add(target)
-    missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected or misshaped:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
-        if misshaped:
-            parts.append(f"mis-shaped tensors ({len(misshaped)}): {'; '.join(misshaped)}")
-        raise WeightLoadError("checkpoint does not match the model:\n  " + "\n  ".join(parts))
+        rule, match = next((rule, m) for rule, pattern in RULES if (m := pattern.search(name)))
+        try:
+            getattr(loading, rule)(raw_name, match, tensor)
+        except TensorShapeError as e:
+            loading.misshaped.append(str(e))
+    loading.finish()
 
 
 def _shard_layout(infos: dict[str, tuple]) -> dict[str, list[int]]:
     tables: dict[str, dict[int, int]] = {}
     for name, (shape, _) in infos.items():
         if m := _SHARD.match(_normalise(name)):
-            tables.setdefault(m.group(1) + ".weight", {})[int(m.group(2) or 0)] = shape[0]
+            tables.setdefault(m["table"] + ".weight", {})[int(m["shard"] or 0)] = shape[0]
     return {t: [rows[i] for i in sorted(rows)] for t, rows in tables.items() if sorted(rows) == list(range(len(rows)))}
 
 
 def _table_of(raw_name: str) -> str | None:
     m = _SHARD.match(_normalise(raw_name))
-    return m.group(1) + ".weight" if m else None
+    return m["table"] + ".weight" if m else None
 
 
 def table_amax(weights: Iterable[tuple[str, torch.Tensor]], tables: list[str]) -> dict[str, float]:
@@ -270,20 +309,21 @@ def table_amax(weights: Iterable[tuple[str, torch.Tensor]], tables: list[str]) -
 
 
 def dummy_weights_(model: Qwen4ExpForCausalLM, seed: int = 0) -> None:
-    """Random weights in place, on the model's device (vLLM's load_format="dummy"). n-gram tables are filled in
-    chunks computed on the model's device, so their values do not depend on where the tables live."""
+    """Random weights in place, on the model's device (vLLM's load_format="dummy"), each checkpoint tensor (each part
+    of a merged projection) by its own name's rule. n-gram tables are filled in chunks computed on the model's device,
+    so their values do not depend on where the tables live."""
     g = None
     tables = set(table_names(model))
     buffers = dict(model.named_buffers())
     work_device = model.lm_head.weight.device
-    for name, p in model.named_parameters():
-        if name in tables:
-            layer = int(name.split(".")[2])
-            fill_random_(p.data, buffers[name + "_scale"], seed * 7919 + layer, work_device)
+    for t in named_checkpoint_tensors(model):
+        if t.name in tables:
+            layer = int(t.name.split(".")[2])
+            fill_random_(t.tensor, buffers[t.name + "_scale"], seed * 7919 + layer, work_device)
             continue
-        if g is None or g.device != p.device:
-            g = torch.Generator(device=p.device).manual_seed(seed)
-        fill_(name, p.data, g)
+        if g is None or g.device != t.tensor.device:
+            g = torch.Generator(device=t.tensor.device).manual_seed(seed)
+        fill_(t.name, t.tensor, g)
 
 
 def _weight_bytes(model: Qwen4ExpForCausalLM, dtype: torch.dtype, table_dtype: torch.dtype) -> tuple[int, int]:

@@ -13,7 +13,9 @@ import os
 import torch
 
 from ..config import load_model_config
+from ..model.merged_linear import named_checkpoint_tensors
 from .init import fill_
+from .loader import EXPERT_PARTS, build_model
 from .safetensors_io import write_sharded
 from .tokenizer import build_tokenizer
 
@@ -76,18 +78,18 @@ def preset_config(preset: str, eos_token_id: int = 0, dtype: str = "bfloat16") -
 
 
 def checkpoint_specs(model, config) -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
-    """(checkpoint name, shape, dtype, model parameter) in the released on-disk layout."""
+    """(checkpoint name, shape, dtype, the model tensor it is part of) in the released on-disk layout: the model
+    tensor is a stacked expert tensor, an n-gram table, a buffer, or the checkpoint tensor itself (a parameter or
+    a merged projection's part, `named_checkpoint_tensors`)."""
     specs = []
-    for name, p in model.named_parameters():
-        if name.endswith("experts.gate_up_proj"):
-            prefix, (e, two_i, h) = name[: -len(".gate_up_proj")], p.shape
-            for i in range(e):
-                specs.append((f"{prefix}.{i}.gate_proj.weight", (two_i // 2, h), p.dtype, name))
-                specs.append((f"{prefix}.{i}.up_proj.weight", (two_i // 2, h), p.dtype, name))
-        elif name.endswith("experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
+    for t in named_checkpoint_tensors(model):
+        name, p = t.name, t.tensor
+        prefix, leaf = name.rsplit(".", 1)
+        per_expert = [(proj, chunks) for proj, (param, _, chunks) in EXPERT_PARTS.items() if param == leaf]
+        if prefix.endswith(".mlp.experts") and per_expert:
             for i in range(p.shape[0]):
-                specs.append((f"{prefix}.{i}.down_proj.weight", tuple(p.shape[1:]), p.dtype, name))
+                for proj, chunks in per_expert:
+                    specs.append((f"{prefix}.{i}.{proj}.weight", (p.shape[1] // chunks, p.shape[2]), p.dtype, name))
         elif name.endswith("ngram_embedding.weight"):
             rows = p.shape[0]
             parts = config.split_ngram_parts
@@ -107,8 +109,6 @@ def checkpoint_specs(model, config) -> list[tuple[str, tuple[int, ...], torch.dt
 def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 0,
                 max_shard_bytes: int = 4 << 30, overrides: dict | None = None) -> str:
     """`overrides` replaces config fields of the preset (e.g. a larger ngram_vocab_size_base)."""
-    from ..weights.loader import build_model
-
     os.makedirs(out_dir, exist_ok=True)
     tok_vocab = PRESETS.get(preset, {}).get("tokenizer_vocab", 1024)
     special = build_tokenizer(out_dir, vocab_size=tok_vocab)

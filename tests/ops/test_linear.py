@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 from conftest import on_device
 
 import qwen4exp.ops as ops
+from qwen4exp.model.merged_linear import MergedLinear
 from qwen4exp.ops import linear as linear_ops
 from qwen4exp.ops.linear_triton import default_tiles, gemv, supported
 from qwen4exp.ops.tuning import GEMV_MAX_TOKENS as MAX_TOKENS
@@ -95,8 +96,8 @@ def test_cpu_path_is_f_linear():
 
 
 def test_dispatch_on_the_fast_path(monkeypatch):
-    """With the fast path on (the interpreter stands in for the GPU), few tokens take the kernel, including the padded
-    merged weight of merged_linear; more tokens and biases take F.linear."""
+    """With the fast path on (the interpreter stands in for the GPU), few tokens take the kernel, including a
+    MergedLinear's padded weight; more tokens and biases take F.linear."""
     calls = []
     import qwen4exp.ops.linear_triton as tlin
 
@@ -105,17 +106,15 @@ def test_dispatch_on_the_fast_path(monkeypatch):
     monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(3)
-    params = [torch.nn.Parameter(torch.empty(r, 32, device=dev), requires_grad=False) for r in (5, 1, 7)]
-    mods = [torch.nn.Module() for _ in params]
-    for m, p in zip(mods, params):
-        m.weight = p
-    linear_ops.merge_rows_([(m, "weight") for m in mods])  # 13 rows + 3 zero rows of padding, as the model
-    for m in mods:
-        m.weight.copy_(torch.randn(m.weight.shape, generator=g).to(dev))
-    weights = [m.weight for m in mods]
+    merged = MergedLinear(32, {"a": 5, "b": 1, "c": 7}).to(dev)  # 13 rows + 3 zero rows of padding
+    assert merged.weight.shape == (16, 32)
+    weights = [view for _, view in merged.part_tensors()]
+    for w in weights:
+        w.copy_(torch.randn(w.shape, generator=g).to(dev))
     for tokens in (1, MAX_TOKENS, MAX_TOKENS + 1):
         x = torch.randn(tokens, 32, generator=g).to(dev)
-        got = linear_ops.merged_linear(x, weights)
+        with torch.no_grad():
+            got = merged(x)
         for y, w in zip(got, weights):
             torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert calls == [1, MAX_TOKENS]
