@@ -116,9 +116,9 @@ def phases_part(engine, results: dict) -> None:
     steps = []
     execute = engine.runner.execute
 
-    def timed(chunks, pending_ids=None):
+    def timed(chunks, *args, **kwargs):
         t0 = time.perf_counter()
-        out = execute(chunks, pending_ids)
+        out = execute(chunks, *args, **kwargs)
         if out.is_cuda:
             torch.cuda.synchronize()
         steps.append((sum(len(c.token_ids) for c in chunks), len(chunks), time.perf_counter() - t0))

@@ -202,8 +202,8 @@ def test_transformers_pointed_at_the_engine_tensors_computes_transformers_logits
     with torch.device("meta"):
         pointed = Qwen4ExpForCausalLM(cfg)
     suite.point_at_engine_tensors(pointed, engine_model)
-    ours = {p.data_ptr() for p in engine_model.parameters()}
-    assert all(p.data_ptr() in ours for p in pointed.parameters())
+    storages = {p.untyped_storage().data_ptr() for p in engine_model.parameters()}
+    assert all(p.untyped_storage().data_ptr() in storages for p in pointed.parameters())
     ids = torch.randint(2, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(pointed.eval()(ids).logits, original(ids).logits, atol=1e-4, rtol=1e-4)
@@ -219,11 +219,13 @@ def test_agreement_counts_every_position_and_bf16_flips_only_near_ties():
     from qwen4exp.bench.engines import preset_model_config
     from qwen4exp.config import EngineConfig
     from qwen4exp.engine.engine import LLMEngine
+    from qwen4exp.model.merged_linear import named_checkpoint_tensors
 
     cfg = preset_model_config("tiny", dtype="float32")
-    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=80, page_size=16, max_num_seqs=1),
-                      dtype="float32", device="cpu", load_format="dummy", model_config=cfg, tokenizer=None)
-    weights = {n: t.detach() for n, t in dummy.model.state_dict().items()}
+    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=80, page_size=16, max_num_seqs=1,
+                                         dtype="float32", device="cpu", load_format="dummy"),
+                      model_config=cfg, tokenizer=None)
+    weights = {t.name: t.tensor for t in named_checkpoint_tensors(dummy.model)}
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(10, cfg.vocab_size, (48,), generator=g).tolist() for _ in range(2)]
     r = top1_agreement(cfg, weights, seqs, torch.device("cpu"), prefill=32)

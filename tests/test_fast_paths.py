@@ -115,7 +115,7 @@ def test_mixed_step_graph_buffers_match_reference(model_pair, monkeypatch):
 def test_graph_block_tables_hold_each_rows_pages_then_zeros(model_pair):
     """The graph runner sends only the batch's widest block table each step; the buffer must still read as if every
     row were written in full: its pages, then zeros (padding rows all zero), also after the batch narrows."""
-    from qwen4exp.engine.runner import RequestChunk
+    from qwen4exp.engine.step_builder import RequestChunk
 
     llm = our_llm(model_pair)
     graphs = graph_runner(llm, CUDAGraphRunner, 512, 4, "cpu", buckets=[1, 2, 4])

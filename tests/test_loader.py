@@ -9,7 +9,7 @@ from helpers import load_peak_rss
 from safetensors.torch import save_file
 
 from qwen4exp.config import load_model_config
-from qwen4exp.engine.runner import RequestChunk, build_metadata
+from qwen4exp.engine.step_builder import RequestChunk, StepBuilder
 from qwen4exp.model import Qwen4ExpForCausalLM, allocate_cache
 from qwen4exp.model.merged_linear import MergedLinear, named_checkpoint_tensors
 from qwen4exp.ops import hyper_connection as hc_ops
@@ -166,7 +166,7 @@ def test_multimodal_name_of_a_misshaped_part_is_reported(tiny_dir, tmp_path):
 def _logits(model, cfg) -> torch.Tensor:
     """One 20-token prefill from empty caches."""
     cache = allocate_cache(cfg, num_pages=4, page_size=16, num_slots=2, dtype=torch.float32, device="cpu")
-    meta = build_metadata([RequestChunk(list(range(2, 22)), 0, [], [1, 2], 1, 0)], cfg, 16, "cpu")
+    meta = StepBuilder(cfg, 16).build([RequestChunk(list(range(2, 22)), 0, [], [1, 2], 1, 0)]).to_metadata("cpu")
     with torch.inference_mode():
         return model.compute_logits(model(meta, cache)[meta.logits_indices])
 

@@ -49,7 +49,7 @@ def test_prompt_logprobs_and_greedy_tokens_match(pair):
 
 def test_random_chunking_equals_one_pass(pair):
     """Any split of a request into chunks, in any batch composition, gives the full pass's logits."""
-    from qwen4exp.engine.runner import RequestChunk
+    from qwen4exp.engine.step_builder import RequestChunk
 
     hf, llm = pair
     engine = llm.llm_engine

@@ -9,7 +9,7 @@ import torch
 from helpers import hf_config, hf_logprobs, hf_model, our_llm, random_prompt
 
 from qwen4exp import ops
-from qwen4exp.engine.runner import RequestChunk
+from qwen4exp.engine.step_builder import RequestChunk
 from qwen4exp.model.merged_linear import named_checkpoint_tensors
 
 SENSITIVITY = 1e-3

@@ -7,7 +7,7 @@ import torch
 
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
-from ..engine.runner import RequestChunk
+from ..engine.step_builder import RequestChunk
 
 
 def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: int = 256) -> dict:
@@ -17,9 +17,9 @@ def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: i
     def engine(dtype, dev, w, **kw):
         # a small step budget: the GPU engine's warm-up compiles prefill shapes up to it, and the longest step here
         # is one whole sequence on the CPU
-        ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, max_num_batched_tokens=1024, **kw)
-        return LLMEngine(None, ecfg, dtype=dtype, device=dev, model_config=cfg, tokenizer=None,
-                         weights=iter(w.items()))
+        ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
+                            dtype=dtype, device=str(dev), **kw)
+        return LLMEngine(None, ecfg, model_config=cfg, tokenizer=None, weights=iter(w.items()))
 
     cpu = engine("float32", "cpu", weights, num_pages=300)
     gpu = engine("bfloat16", device, weights, num_pages=200, cuda_graph_sizes=[1, 2, 4])

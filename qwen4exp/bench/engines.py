@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -28,8 +29,8 @@ def dummy_engine(model_config, engine_config, device, dtype: str = "bfloat16"):
     from ..engine.engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(None, engine_config, dtype=dtype, device=device, load_format="dummy", model_config=model_config,
-                       tokenizer=None)
+    config = dataclasses.replace(engine_config, dtype=dtype, device=str(device), load_format="dummy")
+    engine = LLMEngine(None, config, model_config=model_config, tokenizer=None)
     return engine, time.perf_counter() - t0
 
 

@@ -220,7 +220,7 @@ class Bench:
         """Step metadata for requests of (new tokens, tokens already cached), decodes first, with pages shuffled
         over the cache: (metadata, number of pages). `graph`: the step runs in a CUDA graph (ops take their
         graph-safe paths)."""
-        from ..engine.runner import RequestChunk, build_metadata
+        from ..engine.step_builder import RequestChunk, StepBuilder
 
         pages_each = [-(-(new + cached) // page_size) for new, cached in requests]
         order = torch.randperm(sum(pages_each), generator=torch.Generator().manual_seed(0)) + 1  # page 0: padding
@@ -229,7 +229,7 @@ class Bench:
             pages = order[start:start + n].tolist()
             start += n
             chunks.append(RequestChunk([1] * new, cached, [1] * cached, pages, r + 1, new - 1))
-        meta = build_metadata(chunks, self.model_config(), page_size, self.device)
+        meta = StepBuilder(self.model_config(), page_size).build(chunks).to_metadata(self.device)
         meta.in_cuda_graph = graph
         return meta, sum(pages_each) + 1
 

@@ -110,12 +110,14 @@ def stage_ours(results: Results, device, quick: bool = False):
 # ---- hf ----
 
 def point_at_engine_tensors(hf_model, engine_model) -> None:
-    """Every parameter and buffer of transformers' model becomes the engine's tensor of the same name: parameters
-    are the engine's storage (no copy), buffers copies of it. transformers' rotary `original_inv_freq` is the engine's
-    `inv_freq`."""
+    """Every parameter and buffer of transformers' model becomes the engine's tensor of the same checkpoint name:
+    parameters are the engine's storage (no copy; a merged projection's part is a view of its rows), buffers copies
+    of it. transformers' rotary `original_inv_freq` is the engine's `inv_freq`."""
     import torch
 
-    ours = dict(engine_model.named_parameters()) | dict(engine_model.named_buffers())
+    from ..model.merged_linear import named_checkpoint_tensors
+
+    ours = {t.name: t.tensor for t in named_checkpoint_tensors(engine_model)} | dict(engine_model.named_buffers())
     for name, _ in list(hf_model.named_parameters()) + list(hf_model.named_buffers()):
         module_name, _, leaf = name.rpartition(".")
         module = hf_model.get_submodule(module_name)
@@ -138,7 +140,7 @@ def stage_hf(results: Results, engine, new_tokens: int = 16) -> None:
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     from ..engine.request import SamplingParams
-    from ..engine.runner import RequestChunk
+    from ..engine.step_builder import RequestChunk
     from ..weights.random_checkpoint import preset_config
 
     cfg_dict = preset_config(OURS_PRESET, eos_token_id=0, dtype="bfloat16")

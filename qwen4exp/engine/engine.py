@@ -16,10 +16,10 @@ from .cache import allocate_engine_cache
 from .metrics import EngineMetrics
 from .output_processor import OutputProcessor, ParentRequest
 from .request import Request, RequestOutput, RequestStatus, SamplingParams
-from .runner import ModelRunner, RequestChunk
+from .runner import ModelRunner
 from .sampler import SampledBatch, Sampler, reads_history
 from .scheduler import Scheduler, SchedulerOutput
-from .step_builder import to_device
+from .step_builder import RequestChunk, to_device
 from .warmup import warm_up
 
 logger = logging.getLogger("qwen4exp")

@@ -12,7 +12,7 @@ import torch
 from ..model import ModelCache, Qwen4ExpForCausalLM
 from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
 
-__all__ = ["ModelRunner", "RequestChunk"]
+__all__ = ["ModelRunner"]
 
 
 class ModelRunner:

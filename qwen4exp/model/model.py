@@ -10,11 +10,11 @@ from torch import nn
 from .. import ops
 from ..config import LINEAR, ModelConfig
 from .attention import Attention
+from .common import RotaryEmbedding
 from .gdn import GatedDeltaNet
 from .hyper_connection import GatedResidual, combine
 from .metadata import StepMetadata
 from .moe import SparseMoeBlock
-from .common import RotaryEmbedding
 from .ple import NGramPrefetch, PLELayer
 from .state import ModelCache
 

@@ -30,8 +30,16 @@ from ..config import ModelConfig
 from ..model import Qwen4ExpForCausalLM
 from ..model.merged_linear import MergedLinear, TensorShapeError, copy_checked_, named_checkpoint_tensors
 from .init import fill_
-from .ngram_table import (FP8, fill_random_, fp8_scale, host_empty, on_host, resolve_table_dtype, resolve_table_on_host,
-                          write_rows_)
+from .ngram_table import (
+    FP8,
+    fill_random_,
+    fp8_scale,
+    host_empty,
+    on_host,
+    resolve_table_dtype,
+    resolve_table_on_host,
+    write_rows_,
+)
 from .safetensors_io import checkpoint_files, iterate_files, read_infos
 
 logger = logging.getLogger("qwen4exp")
