@@ -57,7 +57,7 @@ def _reproduce(results_name: str) -> list[str]:
     return [
         "## Reproduce", "",
         "```bash",
-        "python -m pip install -e \".[gpu]\"",
+        "python -m pip install -e .",
         "qwen4exp bench suite --out out   # every stage, one H200, ~20 minutes",
         "```", "",
         "It writes `out/benchmarks_results.json` (every raw number), `out/benchmarks.md` (this page) and the plot. "

@@ -163,8 +163,8 @@ def _conv1d_varlen_out_kernel(
     pdl_start(PDL)
     # Every row as if the batch were one sequence: a request's first (K-1)*DIL rows read the rows of the request
     # before it (or nothing), and `_conv1d_varlen_head_kernel` rewrites them afterwards. Knowing nothing of requests
-    # keeps this pass at its loads and stores (the per-token request, slot and state loads had doubled it: 16k
-    # tokens on an H200, 437 us against 226 us for the taps alone, `bench/conv_parts.py`).
+    # keeps this pass at its loads and stores (per-token request, slot and state loads double it: 16k tokens on an
+    # H200, 437 us against 226 us for the taps alone).
     # grid (channel tiles, token tiles), channel tiles fastest: programs side by side read adjacent columns.
     offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
