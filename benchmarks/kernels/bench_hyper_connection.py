@@ -10,9 +10,9 @@ its own copy of the mix's weights.
 """
 
 from qwen4exp.bench.kernels import NEVER, Variant, around, run, with_tuning
+from qwen4exp.model.merged_linear import ROW_ALIGN
 from qwen4exp.ops import hyper_connection as hc_ops
 from qwen4exp.ops import tuning
-from qwen4exp.ops.linear import ROW_ALIGN
 
 
 def main(bench):

@@ -95,8 +95,8 @@ class Widths:
 
     def projections(self) -> list[tuple[str, int, int, int]]:
         """(name, rows, columns, calls a decode step) of the bias-free projections the model runs through
-        ops.linear: merged weights as the model lays them out (ops.linear.ROW_ALIGN padding included)."""
-        from ..ops.linear import ROW_ALIGN
+        ops.linear: merged weights as the model lays them out (MergedLinear's ROW_ALIGN padding included)."""
+        from ..model.merged_linear import ROW_ALIGN
 
         def padded(n):
             return n + (-n) % ROW_ALIGN
