@@ -16,16 +16,20 @@ is the next hyper-connection mix: at 2 to tuning.PARTIALS_MAX_TOKENS tokens on t
 import torch
 import torch.nn.functional as F
 
-from . import tuning
+from . import fp8, tuning
 from ._dispatch import HAS_TRITON, fast_path
 
 if HAS_TRITON:
     from . import linear_triton
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); the Triton GEMV for bias-free projections of up to tuning.GEMV_MAX_TOKENS tokens
-    on the fast path."""
+    on the fast path. A float8_e4m3fn weight with its block scales `scale` is a block-scaled fp8 product
+    (`ops.fp8.linear`)."""
+    if weight.dtype == fp8.FP8:
+        return fp8.linear(x, weight, scale, bias)
     if (bias is None and HAS_TRITON and fast_path(x) and x.dim() == 2 and x.shape[0] <= tuning.GEMV_MAX_TOKENS
             and linear_triton.supported(x, weight)):
         return linear_triton.gemv(x, weight)
@@ -45,15 +49,16 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
     return torch.bmm(a, b, out_dtype=torch.float32).transpose(0, 1)
 
 
-def output_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def output_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for a block's output projection, read only by the next hyper-connection mix's combine
     (`ops.hyper_connection.hc_mix`, which takes either form): [T, N] in x's dtype, or on the GPU at 2 to
     tuning.PARTIALS_MAX_TOKENS tokens the product as tuning.OUTPUT_SPLITS fp32 partial products [T, splits, N]."""
     splits = tuning.OUTPUT_SPLITS
-    if (bias is None and fast_path(x) and 1 < x.shape[0] <= tuning.PARTIALS_MAX_TOKENS and x.is_contiguous()
-            and x.shape[1] % splits == 0):
+    if (bias is None and weight.dtype != fp8.FP8 and fast_path(x) and 1 < x.shape[0] <= tuning.PARTIALS_MAX_TOKENS
+            and x.is_contiguous() and x.shape[1] % splits == 0):
         return partial_products(x, weight, splits)
-    return linear(x, weight, bias)
+    return linear(x, weight, bias, scale)
 
 
 def fp32_out_linear(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 32768) -> torch.Tensor:
@@ -77,8 +82,8 @@ def fp32_out_linear(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 327
 
 
 def merged_linear(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...],
-                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                  bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The outputs of projections stacked in `weight` (`sizes` rows each, then any padding rows), from one `linear`:
     views of its output columns, the padding's dropped."""
-    y = linear(x, weight, bias)
+    y = linear(x, weight, bias, scale)
     return y.split((*sizes, weight.shape[0] - sum(sizes)), dim=-1)[: len(sizes)]

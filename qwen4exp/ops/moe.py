@@ -13,8 +13,9 @@ GPU dispatch by the step's (token, expert) pairs (thresholds in `tuning`):
 import torch
 import torch.nn.functional as F
 
-from . import tuning
+from . import fp8, tuning
 from ._dispatch import HAS_TRITON, compiled_on_gpu, fast_path, side_stream
+from .linear import linear
 
 if HAS_TRITON:
     from . import moe_triton
@@ -56,38 +57,53 @@ def moe_experts_ref(
     down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [N, H]; gate_up: [E, 2I, H] (gate rows first); down: [E, H, I]; topk_ids/weights: [N, k].
-    Returns sum_j w_j * down_e(silu(gate_e x) * up_e x) over each token's k experts, [N, H] in x's dtype."""
+    Returns sum_j w_j * down_e(silu(gate_e x) * up_e x) over each token's k experts, [N, H] in x's dtype.
+
+    Block-scaled fp8 experts (`ops.fp8`) come with their scales: gate_up [E, 2I', H] with gate_up_scale
+    [E, 2I'/128, ceil(H/128)] (I' = I rounded up to a multiple of 128: gate rows, then up rows, each padded with
+    zeros), down [E, H, I] with down_scale [E, ceil(H/128), ceil(I/128)]."""
     out = torch.zeros_like(x)
+    inter = down.shape[2]
+    up_start = gate_up.shape[1] // 2
     for expert in torch.unique(topk_ids).tolist():
         token, slot = torch.where(topk_ids == expert)
-        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * topk_weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+        h = linear(x[token], gate_up[expert], scale=None if gate_up_scale is None else gate_up_scale[expert])
+        gate, up = h[:, :inter], h[:, up_start:up_start + inter]
+        act = F.silu(gate) * up
+        y = linear(act, down[expert], scale=None if down_scale is None else down_scale[expert])
+        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))
     return out
 
 
-def moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared=None) -> torch.Tensor:
+def moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared=None, gate_up_scale=None,
+                  down_scale=None) -> torch.Tensor:
     """`moe_experts`' reference: the routed experts, then the gated shared expert added as the model writes it."""
-    routed = moe_experts_ref(x, gate_up, down, topk_ids, topk_weights)
+    routed = moe_experts_ref(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale)
     return routed if shared is None else add_shared_expert(routed, shared[1], shared[0])
 
 
-def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None) -> torch.Tensor:
+def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None, gate_up_scale=None,
+                down_scale=None) -> torch.Tensor:
     """Routed experts, plus the gated shared expert sigmoid(logit) * down(silu(gate) * up) with `shared_expert` =
-    (gate [N, Is], up [N, Is], down weight [H, Is], logit [N, 1]) (gate, up and logit: the router GEMM's outputs).
+    (gate [N, Is], up [N, Is], down weight [H, Is], logit [N, 1]) (gate, up and logit: the router GEMM's outputs),
+    or (gate, up, down weight, logit, down scale) when its down projection is block-scaled fp8. The routed experts
+    may be block-scaled fp8 too, with `gate_up_scale` and `down_scale` (see `moe_experts_ref`).
 
     Dispatch: see the module docstring; on the GPU the gated shared expert is added in the kernel that sums each
-    token's experts."""
+    token's experts. fp8 experts run the reference."""
     def shared_output():
         if shared_expert is None:
             return None
-        gate, up, down_weight, logit = shared_expert
-        return F.linear(silu_mul(gate, up), down_weight), logit
+        gate, up, down_weight, logit, *down_weight_scale = shared_expert
+        return linear(silu_mul(gate, up), down_weight, scale=(down_weight_scale or [None])[0]), logit
 
-    if not (HAS_TRITON and fast_path(x)):
-        return moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared_output())
+    quantized = gate_up.dtype == fp8.FP8 or (shared_expert is not None and len(shared_expert) == 5)
+    if not (HAS_TRITON and fast_path(x)) or quantized:
+        return moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared_output(), gate_up_scale, down_scale)
     if topk_ids.numel() >= tuning.GROUPED_MM_MIN_PAIRS and grouped_mm_available(x):
         return grouped_moe(x, gate_up, down, topk_ids, topk_weights, shared_output())
     if topk_ids.numel() <= tuning.PAIRWISE_MAX_PAIRS:

@@ -1,0 +1,80 @@
+"""Block-scaled FP8 (e4m3) weights and dynamically quantized activations: the one rule, and its torch reference.
+
+The released checkpoint's format (DeepSeek-style): a quantized linear stores its weight as float8_e4m3fn [N, K] and
+`weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)]; a 128 x 128 block's real value is its fp8 values times its
+scale. Products are W8A8:
+- activations are quantized per token and per 128-column group of the input (the last group may be shorter):
+  s_x = amax(|x_group|) / 448 in fp32 (an all-zero group: s_x = 1), xq = fp8(x / s_x), rounded to nearest even;
+- y[t, n] = sum over column groups b of s_x[t, b] * s_w[n // 128, b] * (sum_{k in b} xq[t, k] * wq[n, k]),
+  accumulated in fp32, plus the bias in fp32, rounded once to the activation dtype.
+Weights are quantized the same way per 128 x 128 block (`quantize_weight`), when a bf16 checkpoint is converted on
+load or a random fp8 checkpoint is written. Where stacked parts (a merged projection's parts, an expert's gate and
+up rows) have row counts that are not multiples of 128, each part is padded with zero rows to the next multiple, so
+every row block belongs to one part.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+BLOCK = 128
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (any float dtype) -> (wq float8_e4m3fn [..., N, K], scale fp32 [..., ceil(N/128), ceil(K/128)])
+    with one scale per 128 x 128 block: amax / 448 (1 for an all-zero block). Leading dims (experts) are kept."""
+    *lead, n, k = w.shape
+    pn, pk = _blocks(n) * BLOCK - n, _blocks(k) * BLOCK - k
+    padded = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
+    blocks = padded.unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK))  # [..., nb, 128, kb, 128]
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., nb, kb]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[..., :, None, :, None]).to(FP8)
+    wq = q.flatten(-4, -3).flatten(-2, -1)[..., :n, :k]
+    return wq.contiguous(), scale
+
+
+def expand_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Block scales [..., ceil(n/128), ceil(k/128)] -> one scale per element [..., n, k]."""
+    return scale.repeat_interleave(BLOCK, dim=-2)[..., :n, :].repeat_interleave(BLOCK, dim=-1)[..., :k]
+
+
+def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The real values of a block-scaled fp8 weight, rounded once to `dtype`."""
+    return (wq.float() * expand_scale(scale, wq.shape[-2], wq.shape[-1])).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq float8_e4m3fn [T, K], scale fp32 [T, ceil(K/128)]): one scale per token and 128-column group,
+    amax / 448 (1 for an all-zero group)."""
+    t, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, _blocks(k) * BLOCK - k))
+    groups = padded.unflatten(-1, (-1, BLOCK))  # [T, kb, 128]
+    amax = groups.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    xq = (groups / scale[..., None]).to(FP8).flatten(-2)[:, :k]
+    return xq.contiguous(), scale
+
+
+def linear_ref(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The rule of the module docstring: x [T, K] quantized per token and 128-column group, times the block-scaled
+    weight wq [N, K] / scale, in fp32; returns [T, N] in x's dtype."""
+    xq, sx = quantize_activations(x)
+    k = x.shape[-1]
+    a = xq.float() * sx.repeat_interleave(BLOCK, dim=-1)[:, :k]
+    y = a @ dequantize_weight(wq, scale).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-scaled fp8 projection of x [T, K] by wq [N, K] (see `linear_ref`), dispatched."""
+    return linear_ref(x, wq, scale, bias)
