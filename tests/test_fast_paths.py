@@ -241,7 +241,8 @@ def test_missing_fla_warns_once_naming_the_package(monkeypatch, caplog):
 
     from qwen4exp.ops import gated_delta
 
-    monkeypatch.setitem(sys.modules, "fla", None)  # `import fla...` raises ImportError
+    for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")] or ["fla"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import fla...` raises ImportError, imported before or not
     gated_delta.fla_chunk.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="qwen4exp"):
