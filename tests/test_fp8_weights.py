@@ -452,3 +452,44 @@ def test_llm_quantization_option_reaches_the_model(bf16_dir):
     llm = LLM(bf16_dir, device="cpu", dtype="float32", max_model_len=64, num_pages=16, quantization="fp8")
     assert fp8_parameters(llm.llm_engine.model) == set(quantizable_weights(llm.llm_engine.model))
     assert isinstance(llm.llm_engine.model.model.layers[0].linear_attn.out_proj, Linear)
+
+
+# ----- on a GPU (skipped without CUDA) -----
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_gpu_fp8_model_matches_the_cpu_fp8_reference():
+    """The fp8 model's GPU fast paths and CUDA graphs (fp32 activations) against the CPU reference of the same fp8
+    weights: each generated token is the reference's argmax, logprobs close. The product quantizes its input per
+    token and 128 columns, so a summation-order difference upstream can move a value to the next e4m3 step: the
+    tolerance is looser than the unquantized model's 2e-4."""
+    hf = hf_model(hf_config(ple_layer_ids=[1, 2], hidden_size=256, moe_intermediate_size=160), seed=7)
+    llm = our_llm(hf, device="cuda", quantization="fp8", max_num_seqs=4, max_num_batched_tokens=64)
+    assert llm.llm_engine.runner.graphs is not None
+    assert fp8_parameters(llm.llm_engine.model) == set(quantizable_weights(llm.llm_engine.model))
+    gen = torch.Generator().manual_seed(9)
+    prompts = [random_prompt(gen, n, hf.config.vocab_size, eos_every=13) for n in (5, 40, 90)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    cpu = our_llm(hf, device="cpu", quantization="fp8", max_num_seqs=4)
+    for prompt, out in zip(prompts, outs):
+        ids = out.outputs[0].token_ids
+        full = cpu.generate([{"prompt_token_ids": prompt + ids[:-1]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)[0]
+        ref = full.prompt_logprobs[len(prompt):]
+        ours = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs[:-1], ids[:-1])]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor([d[t].logprob for d, t in zip(ref, ids[:-1])]),
+                                   atol=1e-2, rtol=0)
+        assert [d[t].rank for d, t in zip(ref, ids[:-1])] == [1] * (len(ids) - 1)
+
+
+@needs_cuda
+def test_gpu_dummy_fp8_weights_are_built_on_the_device(fp8_dir):
+    llm = LLM(fp8_dir, device="cuda", load_format="dummy", max_model_len=128, num_pages=16, enforce_eager=True)
+    model = llm.llm_engine.model
+    assert fp8_parameters(model) == set(quantizable_weights(model))
+    assert all(p.is_cuda for n, p in model.named_parameters() if n not in table_names(model))
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
