@@ -67,17 +67,19 @@ class StackedLinear(nn.Module):
         self.part_sizes = tuple(parts.values())
         self.fp8 = fp8
         self.part_rows: dict[str, slice] = {}
-        self.splits: list[int] = []  # output columns: each part's, then its padding's (fp8)
+        splits = []  # output columns: each part's, then its padding's
         start = 0
         for name, rows in parts.items():
             self.part_rows[name] = slice(start, start + rows)
             padded = round_up(rows, BLOCK) if fp8 else rows
-            self.splits += [rows, padded - rows]
+            splits += [rows, padded - rows]
             start += padded
+        self.splits = tuple(splits)
         total = start if fp8 else round_up(start, ROW_ALIGN)
-        # the rows no checkpoint tensor fills: each part's padding (fp8), or the tail
-        ends = [(s.stop, s.start + round_up(s.stop - s.start, BLOCK) if fp8 else total) for s in self.part_rows.values()]
-        self.unused = [slice(a, b) for a, b in (ends if fp8 else ends[-1:]) if b > a]
+        # the rows no checkpoint tensor fills: after each part (fp8), or after the last one
+        unused = [(s.stop, s.start + round_up(s.stop - s.start, BLOCK)) for s in self.part_rows.values()] if fp8 \
+            else [(start, total)]
+        self.unused = [slice(a, b) for a, b in unused if b > a]
         if fp8:
             self.weight = _fp8_parameter((total, in_features))
             self.weight_scale_inv = _scale_parameter(scale_shape(total, in_features))
@@ -89,7 +91,7 @@ class StackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.fp8:
             return ops.linear.merged_linear(x, self.weight, self.part_sizes, self.bias)
-        return ops.linear.merged_linear(x, self.weight, tuple(self.splits), self.bias, scale=self.weight_scale_inv)[::2]
+        return ops.linear.merged_linear(x, self.weight, self.splits, self.bias, scale=self.weight_scale_inv)[::2]
 
     def scale_rows(self, part: str) -> slice:
         rows = self.part_rows[part]
@@ -220,9 +222,6 @@ class Linear(nn.Linear):
             with torch.device(self.weight.device):
                 self.weight = _fp8_parameter((self.out_features, self.in_features))
                 self.weight_scale_inv = _scale_parameter(scale_shape(self.out_features, self.in_features))
-
-    def zero_unused_(self) -> None:
-        pass
 
     def part_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.named_parameters(recurse=False):
