@@ -33,6 +33,56 @@ class ConfigError(ValueError):
         super().__init__(f"{field_name}: {message}")
 
 
+QUANT_METHODS = ("fp8",)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """config.json's `quantization_config` (top level, or the text config's) of a quantized checkpoint: block-scaled
+    fp8 is the one method (`ops.fp8`: e4m3 weights with one fp32 scale per 128 x 128 block, activations quantized
+    per token and 128-column group when they are used). `modules_to_not_convert` names the modules kept in the
+    model dtype; which tensors are fp8 is read from the checkpoint itself (a weight with a `weight_scale_inv`)."""
+
+    quant_method: str = "fp8"
+    fmt: str = "e4m3"
+    activation_scheme: str = "dynamic"
+    weight_block_size: tuple[int, ...] = (128, 128)
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> QuantizationConfig:
+        """Validated; errors name the field (`quantization_config.<key>`). Keys other than the fields are ignored."""
+        if not isinstance(raw, dict):
+            raise ConfigError("quantization_config", f"must be an object, got {raw!r}")
+
+        def expect(key: str, allowed: tuple, got) -> None:
+            if got not in allowed:
+                raise ConfigError(f"quantization_config.{key}",
+                                  f"must be {' or '.join(map(repr, allowed))}, got {got!r}")
+
+        expect("quant_method", QUANT_METHODS, raw.get("quant_method"))
+        expect("fmt", ("e4m3",), raw.get("fmt", "e4m3"))
+        expect("activation_scheme", ("dynamic",), raw.get("activation_scheme", "dynamic"))
+        block = raw.get("weight_block_size")
+        expect("weight_block_size", ([128, 128],), list(block) if isinstance(block, (list, tuple)) else block)
+        skip = raw.get("modules_to_not_convert") or ()
+        if not isinstance(skip, (list, tuple)) or not all(isinstance(m, str) for m in skip):
+            raise ConfigError("quantization_config.modules_to_not_convert", f"must be a list of names, got {skip!r}")
+        return cls(raw["quant_method"], raw.get("fmt", "e4m3"), raw.get("activation_scheme", "dynamic"),
+                   tuple(block), tuple(skip))
+
+    def to_dict(self) -> dict:
+        return {"quant_method": self.quant_method, "fmt": self.fmt, "activation_scheme": self.activation_scheme,
+                "weight_block_size": list(self.weight_block_size),
+                "modules_to_not_convert": list(self.modules_to_not_convert)}
+
+    def converts(self, module: str) -> bool:
+        """Whether module `module` (e.g. model.layers.0.mlp.gate) is not named by modules_to_not_convert: an entry
+        names a module, or every module under it, by whole dotted components ("mlp.gate", "lm_head")."""
+        padded = f".{module}."
+        return not any(f".{entry.strip('.')}." in padded for entry in self.modules_to_not_convert)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -85,10 +135,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0
     torch_dtype: str = "bfloat16"
+    # a quantized checkpoint's quantization_config (a dict is read into QuantizationConfig)
+    quantization_config: QuantizationConfig | None = None
     # Token ids the generation loop stops on by default (from generation_config.json or config.json).
     stop_token_ids: tuple[int, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
+        quant = self.quantization_config
+        if quant is not None and not isinstance(quant, QuantizationConfig):
+            raw = quant.to_dict() if hasattr(quant, "to_dict") else quant  # transformers may hold it as an object
+            object.__setattr__(self, "quantization_config", QuantizationConfig.from_dict(raw))
         _validate(self)
 
     # ----- derived quantities -----
@@ -277,6 +333,8 @@ def load_model_config(model_dir: str) -> ModelConfig:
     if model_type == "qwen4_exp":
         text = dict(raw.get("text_config") or {})
         text.setdefault("eos_token_id", raw.get("eos_token_id"))
+        if raw.get("quantization_config") is not None:
+            text.setdefault("quantization_config", raw["quantization_config"])
     elif model_type == "qwen4_exp_text":
         text = {k: v for k, v in raw.items() if k != "model_type"}
     else:
@@ -292,6 +350,8 @@ def load_model_config(model_dir: str) -> ModelConfig:
             hf = Qwen4ExpTextConfig(**text)
     except StrictDataclassError as e:
         raise ConfigError(_field_from_hf_error(e), str(e).replace("\n", " ")) from None
+    if text.get("quantization_config") is not None:  # a wrapper's top-level one is not its text config's
+        hf.quantization_config = text["quantization_config"]
     stop = ()
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen_path):
@@ -408,6 +468,10 @@ class EngineConfig:
     ple_table_dtype: str = _option(
         "auto", "n-gram table storage; fp8 is e4m3 with one scale per table (auto: the checkpoint's fp8, else the "
                 "model dtype)", TABLE_DTYPES)
+    quantization: str | None = _option(
+        None, "quantize the projections and experts of a checkpoint stored in bf16 on load; fp8 is block-scaled e4m3 "
+              "(one scale per 128 x 128 weight block, activations quantized per token and 128 columns). An fp8 "
+              "checkpoint loads as fp8 without it", QUANT_METHODS)
 
     def __post_init__(self) -> None:
         # the Python API also takes torch.dtype / torch.device objects; the config keeps their names
@@ -418,7 +482,7 @@ class EngineConfig:
         for f in fields(self):
             choices = f.metadata["choices"]
             value = getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value not in choices and not (value is None and f.default is None):
                 raise ConfigError(f.name, f"must be one of {', '.join(choices)}, got {value!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "cpu_cache_bytes",
                      "num_pages"):

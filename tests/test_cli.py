@@ -22,7 +22,7 @@ NON_DEFAULT_FLAGS = [
     "--dtype", "half", "--device", "cpu", "--load-format", "dummy", "--max-model-len", "128", "--max-num-seqs", "3",
     "--max-num-batched-tokens", "77", "--page-size", "8", "--gpu-memory-utilization", "0.5", "--cpu-cache-bytes",
     "1000", "--num-pages", "9", "--enforce-eager", "--no-async-scheduling", "--cuda-graph-sizes", "1", "2", "--seed",
-    "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8",
+    "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8", "--quantization", "fp8",
 ]
 
 
@@ -57,7 +57,8 @@ def test_engine_flags_reach_the_config(command):
     assert config == EngineConfig(
         dtype="half", device="cpu", load_format="dummy", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=77,
         page_size=8, gpu_memory_utilization=0.5, cpu_cache_bytes=1000, num_pages=9, enforce_eager=True,
-        async_scheduling=False, cuda_graph_sizes=[1, 2], seed=5, ple_table_device="cpu", ple_table_dtype="fp8")
+        async_scheduling=False, cuda_graph_sizes=[1, 2], seed=5, ple_table_device="cpu", ple_table_dtype="fp8",
+        quantization="fp8")
     assert all(getattr(config, f.name) != f.default for f in fields(EngineConfig))
 
 

@@ -47,7 +47,7 @@ def test_checkpoint_names_of_parts_are_relative_to_the_parent():
     root.block.out = torch.nn.Linear(4, 4, bias=False)
     entries = {t.name: t for t in named_checkpoint_tensors(root)}
     assert list(entries) == ["block.q_proj.weight", "block.sub.k_proj.weight", "block.out.weight"]
-    assert entries["block.sub.k_proj.weight"].parameter == "block.proj.weight"
+    assert entries["block.sub.k_proj.weight"].parameter == "block.proj.stacks.0.weight"
     assert entries["block.sub.k_proj.weight"].tensor.data_ptr() == root.block.proj.weight[2:].data_ptr()
     with pytest.raises(TensorShapeError) as e:
         entries["block.sub.k_proj.weight"].load_(torch.zeros(2, 4), "ckpt.block.sub.k_proj.weight")

@@ -10,7 +10,7 @@ from helpers import hf_config, hf_logprobs, hf_model, our_llm, random_prompt
 
 from qwen4exp import ops
 from qwen4exp.engine.step_builder import RequestChunk
-from qwen4exp.model.merged_linear import named_checkpoint_tensors
+from qwen4exp.model.merged_linear import named_checkpoint_tensors, quantizable_weights
 
 SENSITIVITY = 1e-3
 
@@ -62,22 +62,59 @@ def test_perturbed_kinds_cover_every_checkpoint_tensor(setup):
     assert kinds["model.layers.N.linear_attn.in_proj_b.weight"].tensor.shape == (4, 32)
 
 
-def test_every_parameter_kind_matters(setup):
-    hf, llm, prompt, ref = setup
-    model = llm.llm_engine.model
+def _insensitive_kinds(llm, prompt, ref) -> list[tuple[str, float]]:
+    """The tensor kinds whose perturbation moves the logprobs by less than SENSITIVITY."""
     insensitive = []
-    for kind, t in _tensor_kinds(model):
+    for kind, t in _tensor_kinds(llm.llm_engine.model):
         saved = t.tensor.clone()
+        noise = torch.randn(t.tensor.shape, generator=torch.Generator().manual_seed(0))
         # the indexer only acts through a discrete top-k, so it needs a push large enough to reorder blocks
-        scale = 1.0 if ".indexer." in t.name else 0.05 * (saved.float().std().item() or 1.0)
-        t.tensor.add_(torch.randn(t.tensor.shape, generator=torch.Generator().manual_seed(0)) * scale)
+        indexer = ".indexer." in t.name
+        if kind.endswith("_scale_inv"):  # each block's scale by its own factor
+            t.tensor.mul_(1 + (0.5 if indexer else 0.1) * noise)
+        elif t.tensor.dtype == torch.float8_e4m3fn:  # in the units of the fp8 values
+            t.tensor.copy_((saved.float() + noise * (5.0 if indexer else 0.05) * saved.float().std()).to(saved.dtype))
+        else:
+            t.tensor.add_(noise * (1.0 if indexer else 0.05 * (saved.float().std().item() or 1.0)))
         try:
             diff = (run(llm, prompt) - ref).abs().max().item()
         finally:
             t.tensor.copy_(saved)
         if diff < SENSITIVITY:
             insensitive.append((kind, diff))
+    return insensitive
+
+
+def test_every_parameter_kind_matters(setup):
+    hf, llm, prompt, ref = setup
+    insensitive = _insensitive_kinds(llm, prompt, ref)
     assert not insensitive, f"perturbing these parameters went unnoticed: {insensitive}"
+
+
+@pytest.fixture(scope="module")
+def fp8_setup():
+    """A model of 2 x 128 hidden columns, so that each fp8 weight's scales have several blocks (a uniform scale of a
+    projection followed by a norm would change nothing), quantized to fp8 on load; the reference is its own run."""
+    hf = hf_model(hf_config(ple_layer_ids=[1, 2], hidden_size=256), seed=11)
+    llm = our_llm(hf, quantization="fp8")
+    prompt = random_prompt(torch.Generator().manual_seed(4), 48, hf.config.vocab_size, eos_every=9)
+    return hf, llm, prompt, run(llm, prompt)
+
+
+def test_every_fp8_tensor_kind_matters(fp8_setup):
+    """In an fp8 model each weight's block scales are a checkpoint tensor kind of their own: an fp8 GEMM reads a
+    part's scale rows apart from its weight rows, so a kernel could read the weight right and its scales wrong.
+    Perturbing any kind, the scales included, moves the fp8 model's logprobs by far more than the tolerance."""
+    hf, llm, prompt, ref = fp8_setup
+    model = llm.llm_engine.model
+    kinds = dict(_tensor_kinds(model))
+    scales = {kind for kind in kinds if kind.endswith("_scale_inv")}
+    assert scales == {re.sub(r"\.\d+\.", ".N.", w) + "_scale_inv" for w in quantizable_weights(model)}
+    assert set(kinds) - scales == {re.sub(r"\.\d+\.", ".N.", n) for n in hf.state_dict() if "ngram_heads" not in n
+                                   and "layer_multipliers" not in n}
+    assert kinds["model.layers.N.mlp.experts.gate_up_proj_scale_inv"].tensor.shape == (8, 2, 2)
+    insensitive = _insensitive_kinds(llm, prompt, ref)
+    assert not insensitive, f"perturbing these parameters of the fp8 model went unnoticed: {insensitive}"
 
 
 
@@ -98,7 +135,7 @@ COMPONENT_FAULTS = {
     "rope dims shifted": ("rotary", "apply_rope", lambda orig: lambda x, c, s: orig(x, c.roll(1, -1), s)),
     "norm eps x1e4": ("norm", "rms_norm", lambda orig: lambda x, w, eps, g=None: orig(x, w, eps * 1e4, g)),
     "routed experts top-k renormalisation off": (
-        "moe", "moe_experts_ref", lambda orig: lambda x, gu, d, ids, w: orig(x, gu, d, ids, w * 0.9)),
+        "moe", "moe_experts_ref", lambda orig: lambda x, gu, d, ids, w, *scales: orig(x, gu, d, ids, w * 0.9, *scales)),
 }
 
 

@@ -74,7 +74,8 @@ class LLMEngine:
                                 seed=self.config.seed,
                                 ple_table_device=self.config.ple_table_device,
                                 ple_table_dtype=self.config.ple_table_dtype,
-                                gpu_memory_utilization=self.config.gpu_memory_utilization)
+                                gpu_memory_utilization=self.config.gpu_memory_utilization,
+                                quantization=self.config.quantization)
         # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's)
         self.cache, cache_tensors = allocate_engine_cache(mc, self.config, self.dtype, self.device)
         self.scheduler = Scheduler(self.config, self.cache)

@@ -15,8 +15,9 @@ from .default_model import add_model_option, resolve_model
 def _make_random(args) -> None:
     from ..weights.random_checkpoint import make_random
 
-    make_random(args.dir, args.preset, dtype=args.dtype, seed=args.seed)
-    print(f"wrote a random {args.preset} checkpoint to {args.dir}")
+    make_random(args.dir, args.preset, dtype=args.dtype, seed=args.seed, quantization=args.quantization)
+    kind = " fp8" if args.quantization else ""
+    print(f"wrote a random{kind} {args.preset} checkpoint to {args.dir}")
 
 
 def _generate(args) -> None:
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-next-128e", "flash-next"])
     mr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     mr.add_argument("--seed", type=int, default=0)
+    mr.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="write the released FP8 layout: projections and experts as block-scaled e4m3 with their "
+                         "weight_scale_inv, the n-gram table in fp8 with its weight_scale")
     mr.set_defaults(func=_make_random)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")

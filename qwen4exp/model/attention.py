@@ -13,7 +13,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from .common import RMSNorm
-from .merged_linear import MergedLinear
+from .merged_linear import Linear, MergedLinear
 from .metadata import StepMetadata
 from .state import AttentionCache
 
@@ -57,8 +57,8 @@ class Attention(nn.Module):
         if config.qsa:
             parts["indexer.index_qk_proj"] = (c.indexer_n_heads + 1) * c.indexer_head_dim
         biased = ("q_proj", "k_proj", "v_proj") if c.attention_bias else ()
-        self.qkv_proj = MergedLinear(c.hidden_size, parts, bias_parts=biased)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.qkv_proj = MergedLinear(c.hidden_size, parts, bias_parts=biased, quantizable=True)
+        self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.indexer = QSAIndexer(config) if config.qsa else None
@@ -80,4 +80,4 @@ class Attention(nn.Module):
         out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
         # gate as the [T, heads, D] view it is: reshaping it to [T, heads*D] first would copy it (100 MB at 8k tokens)
         out = ops.attention.gate_output(out.reshape(T, self.num_heads, self.head_dim), gate).reshape(T, -1)
-        return ops.linear.output_linear(out, self.o_proj.weight, self.o_proj.bias)
+        return ops.linear.output_linear(out, self.o_proj.weight, self.o_proj.bias, self.o_proj.weight_scale_inv)

@@ -6,7 +6,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from .common import GatedRMSNorm
-from .merged_linear import MergedLinear
+from .merged_linear import Linear, MergedLinear
 from .metadata import StepMetadata
 from .state import GDNState
 
@@ -21,12 +21,13 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         conv_dim = 2 * self.key_dim + self.value_dim
         self.in_proj = MergedLinear(c.hidden_size, {"in_proj_qkv": conv_dim, "in_proj_z": self.value_dim,
-                                                    "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads})
+                                                    "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads},
+                                   quantizable=True)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, c.linear_conv_kernel_dim, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, c.output_gate_type)
-        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, state: GDNState) -> torch.Tensor:
         T = x.shape[0]
@@ -39,4 +40,4 @@ class GatedDeltaNet(nn.Module):
         )
         # [T, Hv, Dv] views: flattening z's heads into rows would copy it (its rows are strided) when T > 1
         core = self.norm(core, z.reshape(T, -1, self.head_v_dim)).reshape(T, -1)
-        return ops.linear.output_linear(core, self.out_proj.weight)
+        return ops.linear.output_linear(core, self.out_proj.weight, scale=self.out_proj.weight_scale_inv)

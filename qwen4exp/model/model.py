@@ -1,8 +1,9 @@
 """Qwen4-Exp text model over a flat token batch.
 
 Parameter names equal the checkpoint's, except that experts are stacked (`mlp.experts.gate_up_proj`, as transformers
-stacks them) and that projections of one input are parts of a `MergedLinear`
-(`model.merged_linear.named_checkpoint_tensors` lists every parameter under its checkpoint names)."""
+stacks them, with `gate_up_proj_scale_inv` when fp8) and that projections of one input are parts of a `MergedLinear`
+(`model.merged_linear.named_checkpoint_tensors` lists every parameter under its checkpoint names). The projections
+and experts may hold block-scaled fp8 weights (`model.merged_linear.use_fp8_`)."""
 
 import torch
 from torch import nn

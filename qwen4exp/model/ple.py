@@ -130,7 +130,8 @@ class PLELayer(nn.Module):
         width = self.hidden_size * self.hc_count
         eps = config.rms_norm_eps
         self.ple_embedding = NGramEmbedding(config, ple_index)
-        self.key_value_proj = MergedLinear(config.ple_embed_dim, {"key_proj": width, "value_proj": self.hidden_size})
+        self.key_value_proj = MergedLinear(config.ple_embed_dim, {"key_proj": width, "value_proj": self.hidden_size},
+                                           quantizable=True)
         self.norm_key = RMSNorm(width, eps, group_size=self.hidden_size)
         self.norm_query = RMSNorm(width, eps, group_size=self.hidden_size)
         self.norm_conv = RMSNorm(width, eps, group_size=self.hidden_size)

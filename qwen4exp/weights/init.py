@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from ..ops.fp8 import BLOCK, quantize_weight
+
 
 def fill_(name: str, t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Fill `t`, checkpoint tensor `name` (e.g. model.layers.0.linear_attn.A_log), in place and return it."""
@@ -38,3 +40,22 @@ def fill_(name: str, t: torch.Tensor, generator: torch.Generator | None = None) 
     if work is not t:
         t.copy_(work)
     return t
+
+
+def fill_fp8_(name: str, weight: torch.Tensor, scale: torch.Tensor, generator: torch.Generator | None = None,
+              chunk_elements: int = 1 << 24) -> None:
+    """Random values for a block-scaled fp8 weight (`ops.fp8`), checkpoint tensor `name`: weight [..., N, K] (a
+    stacked experts' [E, N, K], or one matrix) is drawn by `fill_`'s rule for `name` and quantized a chunk of
+    whole 128-row blocks at a time straight into it and its block scales `scale` [..., ceil(N/128), ceil(K/128)], so
+    no wider copy of the whole tensor is ever held."""
+    w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
+    s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
+    experts, n, k = w3.shape
+    rows = min(n, max(BLOCK, chunk_elements // k // BLOCK * BLOCK))
+    per = max(1, chunk_elements // (rows * k)) if rows == n else 1
+    for e in range(0, experts, per):
+        for r in range(0, n, rows):
+            values = torch.empty(min(per, experts - e), min(rows, n - r), k, device=weight.device)
+            wq, s = quantize_weight(fill_(name, values, generator))
+            w3[e:e + per, r:r + rows].copy_(wq)
+            s3[e:e + per, r // BLOCK:r // BLOCK + s.shape[-2]].copy_(s)

@@ -4,8 +4,9 @@ A checkpoint name, with `model.language_model.` (multimodal checkpoints) read as
 entry of `RULES` whose pattern it matches:
 - skipped: `model.visual.*`, `mtp.*`, `hashstats_*`, `token_lookup` and the final mixer's unused
   `block_inject_weight`;
-- per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`: copied into expert e's rows of the stacked expert tensors
-  (`EXPERT_PARTS`); already stacked `experts.gate_up_proj` / `experts.down_proj` are plain tensors;
+- per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (and `.weight_scale_inv`): copied into expert e's rows of
+  the stacked expert tensors (`EXPERT_PARTS`, `model.moe.Experts.load_expert_`); already stacked
+  `experts.gate_up_proj` / `experts.down_proj` are model tensors;
 - the n-gram table, whole or as `ngram_embedding.shard_{i}.weight`: written in order into `ngram_embedding.weight`,
   straight into the table's final place (GPU, or page-locked host memory) and dtype (an fp8 table is quantised on the
   way with one scale per table; an fp8 checkpoint table brings its `ngram_embedding.weight_scale`);
@@ -14,6 +15,13 @@ entry of `RULES` whose pattern it matches:
   merged projection, which loads it (`CheckpointTensor.load_`).
 Tensors are copied into preallocated parameters one at a time; errors list every missing, unexpected and
 mis-shaped tensor by its checkpoint name.
+
+Block-scaled fp8 (`ops.fp8`, the layout of `model.merged_linear`): a checkpoint weight stored as float8_e4m3fn comes
+with its scales `<weight>_scale_inv` (`x.weight_scale_inv`). The model is built with fp8 parameters for the
+checkpoint's fp8 weights it can hold in fp8 (`fp8_weights`, decided from the names before any tensor is read), or for
+every quantizable weight with `quantization="fp8"` on a checkpoint without fp8 weights. A weight in another dtype
+for an fp8 parameter is quantized on the way, one tensor at a time; an fp8 weight the model keeps in its dtype (a
+hyper-connection projection, the router, lm_head) is dequantized once both it and its scale have arrived.
 """
 
 from __future__ import annotations
@@ -21,15 +29,24 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from .. import ops
 from ..config import ModelConfig
 from ..model import Qwen4ExpForCausalLM
-from ..model.merged_linear import MergedLinear, TensorShapeError, copy_checked_, named_checkpoint_tensors
-from .init import fill_
+from ..model.merged_linear import (
+    TensorShapeError,
+    check_scale_shape,
+    named_checkpoint_tensors,
+    quantizable_weights,
+    use_fp8_,
+)
+from ..model.moe import Experts
+from .init import fill_, fill_fp8_
 from .ngram_table import (
     FP8,
     fill_random_,
@@ -46,20 +63,21 @@ logger = logging.getLogger("qwen4exp")
 
 # an n-gram table in shards, or whole
 _SHARD = re.compile(r"^(?P<table>.*\.ngram_embedding)\.(?:shard_(?P<shard>\d+)\.)?weight$")
+_EXPERT = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                     r"\.(?P<leaf>weight|weight_scale_inv)$")
 # (rule, pattern): see the module docstring; the first match handles the tensor
 RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("skip", re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)|hashstats_|token_lookup|"
                         r"hyper_connection_mixer\.block_inject_weight|rotary_emb\.inv_freq")),
-    ("expert", re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                          r"\.weight$")),
+    ("expert", _EXPERT),
     ("table_scale", re.compile(r"^(?P<table>.*\.ngram_embedding)\.weight_scale$")),
     ("table_rows", _SHARD),
     ("hash_buffer", re.compile(r"\.(layer_multipliers|ngram_heads_vocab_sizes|ngram_heads_offsets)$")),
     ("tensor", re.compile("")),
 )
-# a per-expert projection -> (the stacked parameter, which of its equal row chunks of expert e, of how many)
-EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),
-                "down_proj": ("down_proj", 0, 1)}
+# a per-expert projection -> the stacked parameter holding it
+EXPERT_PARTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+SCALE = "_scale_inv"  # a block-scaled fp8 weight `x` has its scales in `x_scale_inv`
 
 
 class WeightLoadError(ValueError):
@@ -78,17 +96,20 @@ def build_model(
     tables_on_host: bool = False,
     table_dtype: torch.dtype | None = None,
     model: Qwen4ExpForCausalLM | None = None,
+    fp8: Iterable[str] = (),
 ) -> Qwen4ExpForCausalLM:
     """Allocate the model directly on `device` (parameters uninitialised but for the merged projections' zero
     padding rows and biases; fp32 kept for A_log and dt_bias).
 
     The n-gram tables are stored in `table_dtype` (default `dtype`), with the model or in host memory; a host table
-    of a GPU model is page-locked so that kernels read its rows in place. `model`: the config's model on the meta
-    device, if the caller already built one."""
+    of a GPU model is page-locked so that kernels read its rows in place. `fp8`: the checkpoint weights stored as
+    block-scaled fp8 (see `fp8_weights`), their scales in fp32. `model`: the config's model on the meta device, if
+    the caller already built one (with its fp8 weights chosen)."""
     device = torch.device(device)
     if model is None:
         with torch.device("meta"):
             model = Qwen4ExpForCausalLM(config)
+        use_fp8_(model, fp8)
     tables = set(table_names(model))
     for module_name, module in model.named_modules():
         for name, p in list(module.named_parameters(recurse=False)):
@@ -99,15 +120,54 @@ def build_model(
                     new = torch.empty(p.shape, dtype=table_dtype or dtype, device=device)
             else:
                 keep_fp32 = name in ("A_log", "dt_bias")
-                new = torch.empty(p.shape, dtype=torch.float32 if keep_fp32 else dtype, device=device)
+                keep = p.dtype == FP8 or name.endswith(SCALE)  # fp8 weights and their fp32 scales
+                new = torch.empty(p.shape, dtype=p.dtype if keep else torch.float32 if keep_fp32 else dtype,
+                                  device=device)
             setattr(module, name, torch.nn.Parameter(new, requires_grad=False))
         for name, b in list(module.named_buffers(recurse=False)):
             module._buffers[name] = b.to(device)
-        if isinstance(module, MergedLinear):
+    for module in model.modules():
+        if hasattr(module, "zero_unused_"):
             module.zero_unused_()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _module_of(weight: str) -> str:
+    """The module a checkpoint weight belongs to: x for x.weight, x.experts for x.experts.gate_up_proj."""
+    return weight.removesuffix(".weight") if weight.endswith(".weight") else weight.rpartition(".")[0]
+
+
+def checkpoint_fp8_weights(names: Iterable[str]) -> set[str]:
+    """The weights a checkpoint with tensors `names` stores in fp8, those with a `<weight>_scale_inv` beside them,
+    named as the model tensors they load into (a per-expert weight as its stacked `experts.gate_up_proj`)."""
+    stored = set()
+    for name in map(_normalise, names):
+        if not name.endswith(SCALE):
+            continue
+        if (m := _EXPERT.search(name)) is not None:
+            stored.add(f"{m['experts']}.{EXPERT_PARTS[m['proj']]}")
+        else:
+            stored.add(name.removesuffix(SCALE))
+    return stored
+
+
+def fp8_weights(model: Qwen4ExpForCausalLM, config: ModelConfig, checkpoint_names: Iterable[str] | None,
+                quantization: str | None) -> set[str]:
+    """The checkpoint weights `model` (on the meta device) holds in fp8, decided before any tensor is read: the
+    checkpoint's own fp8 weights (`checkpoint_fp8_weights`) that the model can hold in fp8; without any (a checkpoint
+    in bf16, or no checkpoint: dummy weights), every quantizable weight when `quantization` is "fp8" or the config
+    has a `quantization_config`, less the modules it names in modules_to_not_convert."""
+    quantizable = quantizable_weights(model)
+    if checkpoint_names is not None:
+        stored = checkpoint_fp8_weights(checkpoint_names)
+        if stored:
+            return stored & set(quantizable)
+    quant = config.quantization_config
+    if quantization is None and (quant is None or checkpoint_names is not None):
+        return set()
+    return {w for w in quantizable if quant is None or quant.converts(_module_of(w))}
 
 
 def _normalise(name: str) -> str:
@@ -182,6 +242,19 @@ class _TableRows:
                     time.perf_counter() - self.started)
 
 
+@dataclass
+class _Destination:
+    """Where a checkpoint weight and its scales go: `load` (returns whether it quantized the weight and wrote its
+    scales), `load_scale` (None when the model keeps the weight in its dtype), and what to record as loaded."""
+
+    load: Callable[[torch.Tensor, str], bool]
+    load_scale: Callable[[torch.Tensor, str], object] | None
+    dtype: torch.dtype
+    device: torch.device
+    loaded: Callable[[], None]
+    scale_loaded: Callable[[], None]
+
+
 class _Loading:
     """The state of one `load_weights`: one method per rule of RULES, each given the checkpoint name as it came, the
     rule's match over the normalised name (`m.string`) and the tensor."""
@@ -191,6 +264,7 @@ class _Loading:
         self.targets = {t.name: t for t in named_checkpoint_tensors(model)}
         self.params = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
+        self.experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
         self.tied_lm_head = model.config.tie_word_embeddings
         self.shard_rows, self.table_scales = shard_rows or {}, table_scales or {}
         self.loaded: set[str] = set()  # names of self.targets
@@ -199,18 +273,34 @@ class _Loading:
         self.checkpoint_scales: dict[str, float] = {}
         self.unexpected: list[str] = []
         self.misshaped: list[str] = []
+        # block-scaled fp8, by checkpoint weight name (normalised): the weights (raw name, dtype) and scales (raw name)
+        # that came, and the fp8 weights or scales held until their partner comes, to be dequantized together
+        self.weights_in: dict[str, tuple[str, torch.dtype]] = {}
+        self.scales_in: dict[str, str] = {}
+        self.held: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+        self.dequantized: list[str] = []
 
     def skip(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
         pass
 
     def expert(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
-        param, chunk, chunks = EXPERT_PARTS[m["proj"]]
-        stacked, e = f"{m['experts']}.{param}", int(m["expert"])
-        if stacked not in self.params or e >= self.params[stacked].shape[0]:
+        stacked, e, proj = f"{m['experts']}.{EXPERT_PARTS[m['proj']]}", int(m["expert"]), m["proj"]
+        experts = self.experts.get(m["experts"])
+        if experts is None or e >= experts.num_experts:
             self.unexpected.append(raw_name)
             return
-        copy_checked_(self.params[stacked].data[e].chunk(chunks)[chunk], tensor, raw_name)
-        self.expert_parts.setdefault(stacked, set()).add((e, m["proj"]))
+        param = self.params[stacked]
+        dest = _Destination(
+            lambda t, name: experts.load_expert_(e, proj, "weight", t, name),
+            (lambda t, name: experts.load_expert_(e, proj, "weight_scale_inv", t, name)) if param.dtype == FP8
+            else None,
+            param.dtype, param.device,
+            lambda: self.expert_parts.setdefault(stacked, set()).add((e, proj)), lambda: None)
+        weight = m.string.removesuffix(SCALE)
+        if m["leaf"] == "weight":
+            self._weight(raw_name, weight, tensor, dest)
+        else:
+            self._scale(raw_name, weight, tensor, dest)
 
     def table_scale(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
         table = m["table"] + ".weight"
@@ -239,12 +329,70 @@ class _Loading:
 
     def tensor(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
         name = m.string
-        if name not in self.targets:
+        weight = name.removesuffix(SCALE)
+        if weight not in self.targets:
             if not (name == "lm_head.weight" and self.tied_lm_head):
                 self.unexpected.append(raw_name)
             return
-        self.targets[name].load_(tensor, raw_name)
-        self.loaded.add(name)
+        target, scale = self.targets[weight], self.targets.get(weight + SCALE)
+
+        def loaded() -> None:
+            self.loaded.add(weight)
+
+        def scale_loaded() -> None:
+            self.loaded.add(weight + SCALE)
+
+        dest = _Destination(target.load_, None if scale is None else scale.load_, target.tensor.dtype,
+                            target.tensor.device, loaded, scale_loaded)
+        if weight == name:
+            self._weight(raw_name, weight, tensor, dest)
+        else:
+            self._scale(raw_name, weight, tensor, dest)
+
+    def _weight(self, raw_name: str, weight: str, tensor: torch.Tensor, dest: _Destination) -> None:
+        """A checkpoint weight: copied, quantized on the way for an fp8 parameter, or (fp8 for a parameter in the model
+        dtype) held until its scale comes."""
+        self.weights_in[weight] = (raw_name, tensor.dtype)
+        if tensor.dtype == FP8 and dest.load_scale is None:
+            self._hold(weight, "weight", raw_name, tensor, dest)
+            return
+        if dest.load(tensor, raw_name):
+            dest.scale_loaded()
+        dest.loaded()
+
+    def _scale(self, raw_name: str, weight: str, tensor: torch.Tensor, dest: _Destination) -> None:
+        self.scales_in[weight] = raw_name
+        if dest.load_scale is None:
+            self._hold(weight, "scale", raw_name, tensor, dest)
+            return
+        dest.load_scale(tensor, raw_name)
+        dest.scale_loaded()
+
+    def _hold(self, weight: str, kind: str, raw_name: str, tensor: torch.Tensor, dest: _Destination) -> None:
+        """An fp8 weight the model keeps in its dtype is dequantized once it and its scale have both come."""
+        pair = self.held.setdefault(weight, {})
+        pair[kind] = (raw_name, tensor)
+        if len(pair) < 2 or pair["weight"][1].dtype != FP8:
+            return  # (a scale beside a weight that is not fp8 is reported by `finish`)
+        del self.held[weight]
+        (raw_weight, wq), (raw_scale, scale) = pair["weight"], pair["scale"]
+        check_scale_shape(scale, tuple(wq.shape), raw_scale)
+        dest.load(ops.fp8.dequantize_weight(wq.to(dest.device), scale.to(dest.device), dest.dtype), raw_weight)
+        dest.loaded()
+        self.dequantized.append(raw_weight)
+
+    def _fp8_errors(self) -> list[str]:
+        errors = []
+        for weight, (raw_name, dtype) in self.weights_in.items():
+            if dtype == FP8 and weight not in self.scales_in:
+                errors.append(f"{raw_name}: a float8 weight without its {raw_name}{SCALE}")
+            elif dtype != FP8 and weight in self.scales_in:
+                errors.append(f"{self.scales_in[weight]}: a scale beside {raw_name}, which is "
+                              f"{str(dtype).removeprefix('torch.')}, not float8")
+        for weight, raw_scale in self.scales_in.items():
+            if weight not in self.weights_in:
+                errors.append(f"{raw_scale}: a scale without its weight {raw_scale.removesuffix(SCALE)}")
+        return errors
 
     def finish(self) -> None:
         """Raise WeightLoadError naming every missing, unexpected and mis-shaped tensor."""
@@ -254,22 +402,31 @@ class _Loading:
             if rows.seen:
                 self.loaded.add(table)
         for stacked, parts in self.expert_parts.items():
-            kinds = [k for k, (param, _, _) in EXPERT_PARTS.items() if stacked.endswith("." + param)]
+            kinds = [k for k, param in EXPERT_PARTS.items() if stacked.endswith("." + param)]
             experts = self.params[stacked].shape[0]
             if len(parts) != experts * len(kinds):
                 missing = sorted(set(range(experts)) - {e for e, _ in parts}) or "some projections"
                 self.misshaped.append(f"{stacked}: experts {missing} missing from the checkpoint")
-            self.loaded.add(stacked)
-        missing = [n for n in self.targets if n not in self.loaded]
+            self.loaded.update((stacked, stacked + SCALE))  # each expert's scale: checked by _fp8_errors
+        fp8_errors = self._fp8_errors()
+        reported = {w + SCALE for w, (_, dtype) in self.weights_in.items() if dtype == FP8}
+        missing = [n for n in self.targets if n not in self.loaded and n not in reported]
         parts = []
-        if missing:
-            parts.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+        if weights := [n for n in missing if not n.endswith(SCALE)]:
+            parts.append(f"missing tensors ({len(weights)}): {', '.join(weights)}")
+        if scales := [n for n in missing if n.endswith(SCALE)]:
+            parts.append(f"missing scales ({len(scales)}): {', '.join(scales)}")
+        if fp8_errors:
+            parts.append(f"fp8 weights and scales without their partner ({len(fp8_errors)}): {'; '.join(fp8_errors)}")
         if self.unexpected:
             parts.append(f"unexpected tensors ({len(self.unexpected)}): {', '.join(self.unexpected)}")
         if self.misshaped:
             parts.append(f"mis-shaped tensors ({len(self.misshaped)}): {'; '.join(self.misshaped)}")
         if parts:
             raise WeightLoadError("checkpoint does not match the model:\n  " + "\n  ".join(parts))
+        if self.dequantized:
+            logger.info("%d fp8 checkpoint weights dequantized to the model dtype, which the model keeps unquantized "
+                        "(%s)", len(self.dequantized), ", ".join(self.dequantized))
 
 
 def load_weights(
@@ -319,28 +476,42 @@ def table_amax(weights: Iterable[tuple[str, torch.Tensor]], tables: list[str]) -
 def dummy_weights_(model: Qwen4ExpForCausalLM, seed: int = 0) -> None:
     """Random weights in place, on the model's device (vLLM's load_format="dummy"), each checkpoint tensor (each part
     of a merged projection) by its own name's rule. n-gram tables are filled in chunks computed on the model's device,
-    so their values do not depend on where the tables live."""
+    so their values do not depend on where the tables live. fp8 weights are drawn and quantized a chunk at a time
+    straight into their fp8 rows and scales (`fill_fp8_`); stacked experts one projection at a time, so their
+    padding rows stay zero."""
     g = None
     tables = set(table_names(model))
     buffers = dict(model.named_buffers())
     work_device = model.lm_head.weight.device
-    for t in named_checkpoint_tensors(model):
+    entries = {t.name: t for t in named_checkpoint_tensors(model)}
+    for t in entries.values():
         if t.name in tables:
             layer = int(t.name.split(".")[2])
             fill_random_(t.tensor, buffers[t.name + "_scale"], seed * 7919 + layer, work_device)
             continue
         if g is None or g.device != t.tensor.device:
             g = torch.Generator(device=t.tensor.device).manual_seed(seed)
-        fill_(t.name, t.tensor, g)
+        if t.name.endswith(SCALE):
+            continue  # written with its weight
+        if t.tensor.dtype != FP8:
+            fill_(t.name, t.tensor, g)
+        elif isinstance(t.module, Experts):
+            for proj, param in EXPERT_PARTS.items():
+                if param == t.leaf:
+                    fill_fp8_(t.name, *t.module.expert_tensors(slice(None), proj), g)
+        else:
+            fill_fp8_(t.name, t.tensor, entries[t.name + SCALE].tensor, g)
 
 
 def _weight_bytes(model: Qwen4ExpForCausalLM, dtype: torch.dtype, table_dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the n-gram tables in table_dtype, bytes of every other parameter in dtype)."""
+    """(bytes of the n-gram tables in table_dtype, bytes of every other parameter: fp8 weights and their fp32
+    scales as they are, the rest in dtype)."""
     tables = set(table_names(model))
-    table = sum(p.numel() for n, p in model.named_parameters() if n in tables)
-    other = sum(p.numel() for n, p in model.named_parameters() if n not in tables)
     size = lambda dt: torch.tensor([], dtype=dt).element_size()  # noqa: E731
-    return table * size(table_dtype), other * size(dtype)
+    table = sum(p.numel() for n, p in model.named_parameters() if n in tables) * size(table_dtype)
+    other = sum(p.numel() * (p.element_size() if p.dtype == FP8 or n.endswith(SCALE) else size(dtype))
+                for n, p in model.named_parameters() if n not in tables)
+    return table, other
 
 
 def load_model(
@@ -354,27 +525,39 @@ def load_model(
     ple_table_device: str = "auto",
     ple_table_dtype: str = "auto",
     gpu_memory_utilization: float = 0.9,
+    quantization: str | None = None,
 ) -> Qwen4ExpForCausalLM:
     """load_format: "auto"/"safetensors" (files in model_dir), "dummy" (random, no files). `weights` (an iterator of
     (name, tensor)) overrides the files, e.g. for weights already in memory.
 
     ple_table_device: "gpu" (with the model), "cpu" (host memory, page-locked for a GPU model) or "auto" (the GPU
     when it fits, see ngram_table.resolve_table_on_host). ple_table_dtype: "auto" (fp8 if the checkpoint's table is,
-    else the model dtype), "fp8" (e4m3 with one scale per table), or a float dtype name."""
+    else the model dtype), "fp8" (e4m3 with one scale per table), or a float dtype name. quantization: None, or
+    "fp8" to quantize a checkpoint without fp8 weights on load (see `fp8_weights`)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format: unknown value {load_format!r} (expected auto, safetensors or dummy)")
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization: unknown value {quantization!r} (expected fp8)")
     t0 = time.perf_counter()
     device = torch.device(device)
-    files = infos = None
+    files = infos = names = None
     if weights is None and load_format != "dummy":
         files = checkpoint_files(model_dir)
         infos = read_infos(files)
+        names = list(infos)
+    elif weights is not None and load_format != "dummy":
+        weights = list(weights)  # in-memory tensors: the list holds references, not copies
+        names = [n for n, _ in weights]
     source_dtype = None
     if infos is not None:
         source_dtype = next((dt for n, (_, dt) in infos.items() if _table_of(n)), None)
     table_dtype = resolve_table_dtype(ple_table_dtype, dtype, source_dtype)
     with torch.device("meta"):
         meta = Qwen4ExpForCausalLM(config)
+    fp8 = fp8_weights(meta, config, names, quantization)
+    use_fp8_(meta, fp8)
+    if fp8:
+        logger.info("%d of %d quantizable weights in block-scaled fp8", len(fp8), len(quantizable_weights(meta)))
     on_host = bool(config.ple_layer_ids) and resolve_table_on_host(
         ple_table_device, device, *_weight_bytes(meta, dtype, table_dtype), gpu_memory_utilization)
     model = build_model(config, dtype, device, on_host, table_dtype, model=meta)
@@ -388,7 +571,6 @@ def load_model(
             if files is not None:
                 amax = table_amax(iterate_files(files, only=_table_of), tables)
             else:
-                weights = list(weights)  # in-memory tensors: the list holds references, not copies
                 amax = table_amax(weights, tables)
             scales = {t: fp8_scale(a) for t, a in amax.items()}
         if files is not None:

@@ -3,6 +3,12 @@
 Per-expert tensors (`mlp.experts.{e}.gate_proj.weight` ...), the n-gram table split into `split_ngram_parts`
 row shards, the PLE hash buffers, config.json, generation_config.json and a tokenizer. Tensors are generated and
 written one at a time, so presets larger than memory can be produced.
+
+With `quantization="fp8"` it writes the released FP8 layout: config.json's `quantization_config` (its
+`modules_to_not_convert` listing the projections kept in the model dtype), every quantizable weight
+(`model.merged_linear.quantizable_weights`, per-expert ones included) as float8_e4m3fn with its fp32
+`weight_scale_inv`, and the n-gram table in fp8 with one `weight_scale` per table. Its values are those of the
+checkpoint written in `dtype` with the same seed, quantized as the loader quantizes that one on load.
 """
 
 from __future__ import annotations
@@ -12,10 +18,16 @@ import os
 
 import torch
 
-from ..config import load_model_config
-from ..model.merged_linear import named_checkpoint_tensors
+from torch import nn
+
+from ..config import QuantizationConfig, load_model_config
+from ..model import Qwen4ExpForCausalLM
+from ..model.merged_linear import MergedLinear, named_checkpoint_tensors, use_fp8_
+from ..model.moe import Experts
+from ..ops.fp8 import FP8, quantize_weight
 from .init import fill_
-from .loader import EXPERT_PARTS, build_model
+from .loader import EXPERT_PARTS, SCALE, build_model, fp8_weights
+from .ngram_table import fp8_scale, write_rows_
 from .safetensors_io import write_sharded
 from .tokenizer import build_tokenizer
 
@@ -80,16 +92,20 @@ def preset_config(preset: str, eos_token_id: int = 0, dtype: str = "bfloat16") -
 def checkpoint_specs(model, config) -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
     """(checkpoint name, shape, dtype, the model tensor it is part of) in the released on-disk layout: the model
     tensor is a stacked expert tensor, an n-gram table, a buffer, or the checkpoint tensor itself (a parameter or
-    a merged projection's part, `named_checkpoint_tensors`)."""
+    a merged projection's part, `named_checkpoint_tensors`). An fp8 weight is followed by its scales."""
     specs = []
     for t in named_checkpoint_tensors(model):
         name, p = t.name, t.tensor
-        prefix, leaf = name.rsplit(".", 1)
-        per_expert = [(proj, chunks) for proj, (param, _, chunks) in EXPERT_PARTS.items() if param == leaf]
-        if prefix.endswith(".mlp.experts") and per_expert:
-            for i in range(p.shape[0]):
-                for proj, chunks in per_expert:
-                    specs.append((f"{prefix}.{i}.{proj}.weight", (p.shape[1] // chunks, p.shape[2]), p.dtype, name))
+        if isinstance(t.module, Experts):
+            if name.endswith(SCALE):
+                continue  # each expert's scales follow its weight
+            prefix = name.rsplit(".", 1)[0]
+            for i in range(t.module.num_experts):
+                for proj in (proj for proj, param in EXPERT_PARTS.items() if param == t.leaf):
+                    weight, scale = t.module.expert_tensors(i, proj)
+                    specs.append((f"{prefix}.{i}.{proj}.weight", tuple(weight.shape), weight.dtype, name))
+                    if scale is not None:
+                        specs.append((f"{prefix}.{i}.{proj}.weight{SCALE}", tuple(scale.shape), scale.dtype, name))
         elif name.endswith("ngram_embedding.weight"):
             rows = p.shape[0]
             parts = config.split_ngram_parts
@@ -98,6 +114,8 @@ def checkpoint_specs(model, config) -> list[tuple[str, tuple[int, ...], torch.dt
                 n = min(per, rows - i * per)
                 if n > 0:
                     specs.append((f"{name[: -len('.weight')]}.shard_{i}.weight", (n, p.shape[1]), p.dtype, name))
+            if p.dtype == FP8:
+                specs.append((name + "_scale", (), torch.float32, name))
         else:
             specs.append((name, tuple(p.shape), p.dtype, name))
     for name, b in model.named_buffers():
@@ -106,24 +124,65 @@ def checkpoint_specs(model, config) -> list[tuple[str, tuple[int, ...], torch.dt
     return specs
 
 
+def unquantized_projections(model) -> list[str]:
+    """The modules of the linear projections kept in the model dtype (the router, the shared-expert gate, the
+    hyper-connection projections, lm_head, and whatever else is not fp8): a quantization_config's
+    modules_to_not_convert."""
+    return [t.name.removesuffix(".weight") for t in named_checkpoint_tensors(model)
+            if t.name.endswith(".weight") and t.tensor.dtype != FP8 and isinstance(t.module, (nn.Linear, MergedLinear))]
+
+
 def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 0,
-                max_shard_bytes: int = 4 << 30, overrides: dict | None = None) -> str:
-    """`overrides` replaces config fields of the preset (e.g. a larger ngram_vocab_size_base)."""
+                max_shard_bytes: int = 4 << 30, overrides: dict | None = None, quantization: str | None = None) -> str:
+    """`overrides` replaces config fields of the preset (e.g. a larger ngram_vocab_size_base). quantization: None,
+    or "fp8" for the released FP8 layout (see the module docstring)."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization: unknown value {quantization!r} (expected fp8)")
     os.makedirs(out_dir, exist_ok=True)
     tok_vocab = PRESETS.get(preset, {}).get("tokenizer_vocab", 1024)
     special = build_tokenizer(out_dir, vocab_size=tok_vocab)
     eos, im_end = special["<|endoftext|>"], special["<|im_end|>"]
     cfg = preset_config(preset, eos_token_id=eos, dtype=dtype) | (overrides or {})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
+    if quantization:
+        cfg["quantization_config"] = QuantizationConfig().to_dict()
+
+    def write_config() -> None:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+
+    write_config()
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [im_end, eos], "pad_token_id": eos}, f, indent=1)
     config = load_model_config(out_dir)
     torch_dtype = getattr(torch, dtype)
-    model = build_model(config, torch_dtype, "meta")
+    with torch.device("meta"):
+        meta = Qwen4ExpForCausalLM(config)
+    use_fp8_(meta, fp8_weights(meta, config, None, quantization))
+    model = build_model(config, torch_dtype, "meta", table_dtype=FP8 if quantization else None, model=meta)
+    if quantization:
+        cfg["quantization_config"]["modules_to_not_convert"] = unquantized_projections(model)
+        write_config()
     specs = checkpoint_specs(model, config)
     buffers = dict(model.named_buffers())
     g = torch.Generator().manual_seed(seed)
+    scales: dict[str, torch.Tensor] = {}  # the scales of the fp8 weight written last
+    table_scales: dict[str, float] = {}
+
+    def values(param: str, shape) -> torch.Tensor:
+        """The next random values, rounded to the checkpoint's dtype (what a checkpoint in `dtype` stores)."""
+        return fill_(param, torch.empty(shape, dtype=torch_dtype), g)
+
+    def table_scale(param: str) -> float:
+        """One scale per table needs the max of all its shards first: drawn once, then drawn again for writing."""
+        if param not in table_scales:
+            state, amax = g.get_state(), 0.0
+            for _, shape, dt, p in specs:
+                if p == param and dt == FP8:
+                    lo, hi = torch.aminmax(values(param, shape))
+                    amax = max(amax, -float(lo), float(hi))
+            g.set_state(state)
+            table_scales[param] = fp8_scale(amax)
+        return table_scales[param]
 
     def produce(ckpt_name: str) -> torch.Tensor:
         _, shape, dt, param = by_name[ckpt_name]
@@ -133,7 +192,19 @@ def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 
             layer = int(param.split(".")[2])
             module = NGramEmbedding(config, config.ple_index(layer))
             return getattr(module, param.rsplit(".", 1)[-1]).clone()
-        return fill_(param, torch.empty(shape, dtype=dt), g)
+        if ckpt_name.endswith(SCALE):
+            return scales.pop(ckpt_name)
+        if ckpt_name.endswith("ngram_embedding.weight_scale"):
+            return torch.tensor(table_scale(param), dtype=torch.float32)
+        if dt != FP8:
+            return fill_(param, torch.empty(shape, dtype=dt), g)
+        if "ngram_embedding" in param:
+            scale = table_scale(param)
+            out = torch.empty(shape, dtype=FP8)
+            write_rows_(out, 0, values(param, shape), scale)
+            return out
+        wq, scales[ckpt_name + SCALE] = quantize_weight(values(param, shape))
+        return wq
 
     by_name = {s[0]: s for s in specs}
     write_sharded(out_dir, [(n, s, d) for n, s, d, _ in specs], produce, max_shard_bytes)
