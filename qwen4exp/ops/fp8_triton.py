@@ -377,11 +377,13 @@ def cublas_gemm(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, layout: 
 
 def supported(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """The kernels' preconditions: x [T, K] of a float dtype with unit-stride rows; wq [N, K] fp8 with unit-stride,
-    16-byte aligned rows; scale fp32 [ceil(N/128), ceil(K/128)]; bias [N] or None; int32 weight offsets."""
+    16-byte aligned rows; scale fp32 [ceil(N/128), ceil(K/128)] with unit-stride rows; bias [N] or None; int32
+    weight offsets."""
     if x.dim() != 2 or wq.dim() != 2 or x.dtype not in _DTYPES or wq.dtype != FP8 or x.shape[0] == 0:
         return False
     n, k = wq.shape
     return (x.shape[1] == k and x.stride(1) == 1 and wq.stride(1) == 1 and wq.stride(0) % 16 == 0
             and wq.data_ptr() % 16 == 0 and n * wq.stride(0) < 2**31
             and scale.dtype == torch.float32 and tuple(scale.shape) == (triton.cdiv(n, GROUP), triton.cdiv(k, GROUP))
+            and scale.stride(1) == 1
             and (bias is None or (bias.shape == (n,) and bias.stride(0) == 1)))

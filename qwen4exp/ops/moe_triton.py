@@ -1119,7 +1119,7 @@ def fp8_supported(x, gate_up, gate_up_scale, down, down_scale) -> bool:
     e, two_ip, h = gate_up.shape
     inter = down.shape[2]
     return (x.shape[1] == h and two_ip == 2 * triton.cdiv(inter, 128) * 128 and tuple(down.shape) == (e, h, inter)
-            and gate_up.stride(2) == 1 and down.stride(2) == 1
+            and gate_up.stride(2) == 1 and down.stride(2) == 1 and gate_up_scale.stride(2) == down_scale.stride(2) == 1
             and gate_up_scale.dtype == down_scale.dtype == torch.float32
             and tuple(gate_up_scale.shape) == (e, two_ip // 128, triton.cdiv(h, 128))
             and tuple(down_scale.shape) == (e, triton.cdiv(h, 128), triton.cdiv(inter, 128)))
