@@ -11,14 +11,17 @@ widths, against the bf16 weights they replace.
            dispatched, and the fp8 pairwise and fused kernels forced (tuning.PAIRWISE_MAX_PAIRS).
 
 Each call reads its own copy of a projection's weight (as each layer does); one layer's experts are read per call.
+--sweep adds the kernels' tile choices (fp8_triton.gemv_tiles / gemm_tiles, pairwise_moe_fp8's rows a program) as
+further columns at the decode token counts.
 
-    python benchmarks/kernels/bench_fp8.py [--tokens 1,2,4] [--only linear|experts] [--json out.json] [--tiny]
+    python benchmarks/kernels/bench_fp8.py [--tokens 1,2,4] [--only linear|experts] [--sweep] [--json out.json] [--tiny]
 """
 
 import torch
+import triton
 
 from qwen4exp.bench.kernels import NEVER, Variant, around, run, widths, with_tuning
-from qwen4exp.ops import fp8, fp8_triton, linear, moe, tuning
+from qwen4exp.ops import fp8, fp8_triton, linear, moe, moe_triton, tuning
 
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 PREFILL_TOKENS = [128, 512, 1024, 2048, 8192]
@@ -79,7 +82,28 @@ def linear_case(bench):
             if fp8_triton.cublas_layout(x, *quantized.items[0]) is not None:
                 variants.append(Variant("quantize + cuBLAS", with_tuning(
                     op, FP8_GEMV_MAX_TOKENS=0, FP8_FUSED_QUANT_MAX_TOKENS=0, FP8_CUBLAS_MIN_TOKENS=0)))
+            if bench.args.sweep and tokens <= 64:
+                variants += tile_variants(x, quantized, k)
             bench.measure(case, tokens, variants, calls=calls if tokens <= 512 else 4)
+
+
+def tile_variants(x, quantized, k):
+    """The GEMV (up to 4 tokens) and the tensor-core kernel quantizing x itself at other tiles than the defaults."""
+    tokens = x.shape[0]
+    variants = []
+    if tokens <= 4:
+        for block_n, warps in ((4, 1), (8, 1), (8, 2), (16, 4)):
+            for g in sorted({1, 2, 4} & {fp8_triton.groups_per_step(k, m) for m in (1, 2, 4)}):
+                tiles = dict(block_n=block_n, groups_per_step=g, num_warps=warps)
+                variants.append(Variant(f"GEMV {block_n}r{g}g{warps}w", lambda t=tiles: fp8_triton.gemv(
+                    x, *quantized.next(), tiles=t)))
+    block_m = max(16, triton.next_power_of_2(tokens))
+    for block_n in (32, 64, 128):
+        for stages in (3, 4, 6):
+            tiles = dict(block_m=block_m, block_n=block_n, group_m=1, num_warps=4, num_stages=stages)
+            variants.append(Variant(f"tc {block_n}c{stages}s", lambda t=tiles: fp8_triton.gemm(
+                x, *quantized.next(), tiles=t)))
+    return variants
 
 
 def fp8_experts(bench, experts: int, hidden: int, inter: int):
@@ -136,12 +160,18 @@ def experts_case(bench):
             ]
             if tokens <= 4 * pairwise_last:
                 variants.append(Variant("fp8 pairwise", with_tuning(op, PAIRWISE_MAX_PAIRS=NEVER)))
+                if bench.args.sweep:
+                    for rows, down_rows in ((4, 4), (8, 8), (4, 16), (16, 16)):
+                        variants.append(Variant(f"pairwise {rows}/{down_rows}r", lambda r=rows, d=down_rows: (
+                            moe_triton.pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, ids, weights,
+                                                        shared, block_n=r, down_block_n=d))))
             variants.append(Variant("fp8 fused", with_tuning(op, PAIRWISE_MAX_PAIRS=0)))
             bench.measure(case, tokens, variants, calls=w.layers if tokens <= 512 else 4)
 
 
 def arguments(p):
     p.add_argument("--only", choices=("linear", "experts"), default=None, help="one of the two cases")
+    p.add_argument("--sweep", action="store_true", help="also time the kernels at other tiles than the defaults")
 
 
 def main(bench):

@@ -2,8 +2,8 @@
 fp8.py). Weights are float8_e4m3fn [N, K] with one fp32 scale per 128 x 128 block; activations are quantized per token
 and 128-column group (s = amax / 448, q = fp8(x / s), nearest even), products summed in fp32 and rounded once.
 
-  gemv            few tokens (decode), CUDA cores: each program owns BLOCK_N weight rows and walks all of K, one
-                  128-column group at a time; it quantizes the group of x itself (once, in a compact layout, then
+  gemv            few tokens (decode), CUDA cores: each program owns BLOCK_N weight rows and walks all of K, a few
+                  128-column groups a step; it quantizes those groups of x itself (once, in a compact layout, then
                   broadcast over its rows), so there is one launch and no split-K reduction. Programs re-read x from
                   L1/L2; each weight byte is read once (evict-first).
   gemm            tensor cores (tl.dot on fp8 operands, fp32 accumulators): per 128-column group one fp8 dot into a
@@ -17,7 +17,9 @@ and 128-column group (s = amax / 448, q = fp8(x / s), nearest even), products su
 
 Rounding to fp8: on the GPU the cast is cvt.rn.satfinite (nearest even). Triton's interpreter rounds halves away
 from zero and flushes e4m3 subnormals, so under TRITON_INTERPRET the value is rounded by hand first (`round_to_fp8`)
-and the cast is then exact. Divisions are IEEE (div_rn), as torch divides; Triton's `/` is approximate.
+and the cast is then exact. Divisions give the IEEE quotient, as torch's do (Triton's `/` is approximate): one
+div_rn a group for its scale and the scale's reciprocal, and an exact-rounding multiply-and-correct for each element
+(`divide`).
 
 Which path runs at which token count: `ops.fp8.linear` with the thresholds in `ops.tuning`.
 """
@@ -73,8 +75,10 @@ def to_dtype(x, dtype: tl.constexpr, EXACT: tl.constexpr):
 def divide(x, d, r):
     """x / d rounded to nearest even, given r = 1 / d rounded to nearest even: q = x * r is within an ulp, the
     residual x - q * d is exact in an fma, and q + residual * r rounds to the IEEE quotient (Markstein's theorem;
-    only a residual below fp32's normal range, for |d| under ~1e-30, can leave it an ulp off). Three instructions,
-    where Triton's div_rn is a division sequence with a subroutine call for its slow path."""
+    only a residual below fp32's normal range, for a group whose amax is under ~1e-20, can leave it an ulp off,
+    which no fp8 value then shows). Three instructions an element: div_rn is a division sequence with a subroutine
+    call for its slow path, and an element-wise one made the sm_90 build of the GEMV spill its loads to the
+    stack."""
     q = x * r
     return tl.fma(tl.fma(-q, d, x), r, q)
 
