@@ -182,7 +182,8 @@ def test_merged_projections_are_one_gemm_on_the_modules_weight(tiny_dir, monkeyp
                         weights=[(t.name, t.tensor) for t in named_checkpoint_tensors(built)])
     gemm_weights = []
     real_linear, real_mix = linear_ops.linear, hc_ops.hc_mix
-    monkeypatch.setattr(linear_ops, "linear", lambda x, w, b=None: gemm_weights.append(w) or real_linear(x, w, b))
+    monkeypatch.setattr(linear_ops, "linear", lambda x, w, b=None, scale=None: gemm_weights.append(w)
+                        or real_linear(x, w, b, scale))
     monkeypatch.setattr(hc_ops, "hc_mix", lambda s, nw, w, *a: gemm_weights.append(w) or real_mix(s, nw, w, *a))
     logits = []
     for model in (built, loaded):

@@ -98,7 +98,7 @@ COMPONENT_FAULTS = {
     "rope dims shifted": ("rotary", "apply_rope", lambda orig: lambda x, c, s: orig(x, c.roll(1, -1), s)),
     "norm eps x1e4": ("norm", "rms_norm", lambda orig: lambda x, w, eps, g=None: orig(x, w, eps * 1e4, g)),
     "routed experts top-k renormalisation off": (
-        "moe", "moe_experts_ref", lambda orig: lambda x, gu, d, ids, w: orig(x, gu, d, ids, w * 0.9)),
+        "moe", "moe_experts_ref", lambda orig: lambda x, gu, d, ids, w, *scales: orig(x, gu, d, ids, w * 0.9, *scales)),
 }
 
 
