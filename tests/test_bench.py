@@ -253,7 +253,7 @@ def test_benchmark_help(path, monkeypatch, capsys):
 
 def test_a_kernel_benchmark_for_every_op_family():
     names = {os.path.basename(p)[len("bench_"):-len(".py")] for p in KERNEL_BENCHMARKS}
-    assert names == {"attention", "conv", "gated_delta", "hyper_connection", "linear", "moe", "norm", "qsa",
+    assert names == {"attention", "conv", "fp8", "gated_delta", "hyper_connection", "linear", "moe", "norm", "qsa",
                      "sampler", "table_gather"}
 
 

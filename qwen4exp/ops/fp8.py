@@ -11,11 +11,24 @@ Weights are quantized the same way per 128 x 128 block (`quantize_weight`), when
 load or a random fp8 checkpoint is written. Where stacked parts (a merged projection's parts, an expert's gate and
 up rows) have row counts that are not multiples of 128, each part is padded with zero rows to the next multiple, so
 every row block belongs to one part.
+
+`linear` dispatches on the GPU (thresholds in `ops.tuning`, kernels in fp8_triton.py):
+  up to FP8_GEMV_MAX_TOKENS          one Triton launch on CUDA cores (`fp8_triton.gemv`), x quantized in the kernel;
+  up to FP8_FUSED_QUANT_MAX_TOKENS   one Triton launch on tensor cores (`fp8_triton.gemm`), x quantized in the kernel;
+  below FP8_CUBLAS_MIN_TOKENS        x quantized in its own launch (`fp8_triton.quantize`), then `fp8_triton.gemm`;
+  from FP8_CUBLAS_MIN_TOKENS         the quantization launch and torch's block-scaled cuBLAS GEMM
+                                     (`fp8_triton.cublas_gemm`) where torch and the GPU support it, else the above.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import tuning
+from ._dispatch import HAS_TRITON, fast_path
+
+if HAS_TRITON:
+    from . import fp8_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -76,5 +89,19 @@ def linear_ref(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
 
 
 def linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Block-scaled fp8 projection of x [T, K] by wq [N, K] (see `linear_ref`), dispatched."""
-    return linear_ref(x, wq, scale, bias)
+    """Block-scaled fp8 projection of x [..., K] by wq [N, K] (see `linear_ref`), dispatched (module docstring)."""
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), wq, scale, bias).reshape(*x.shape[:-1], wq.shape[0])
+    if not (HAS_TRITON and fast_path(x) and fp8_triton.supported(x, wq, scale, bias)):
+        return linear_ref(x, wq, scale, bias)
+    tokens = x.shape[0]
+    if tokens <= tuning.FP8_GEMV_MAX_TOKENS:
+        return fp8_triton.gemv(x, wq, scale, bias)
+    if tokens <= tuning.FP8_FUSED_QUANT_MAX_TOKENS:
+        return fp8_triton.gemm(x, wq, scale, bias)
+    if tokens >= tuning.FP8_CUBLAS_MIN_TOKENS and bias is None:
+        layout = fp8_triton.cublas_layout(x, wq, scale)
+        if layout is not None:
+            return fp8_triton.cublas_gemm(x, wq, scale, layout)
+    xq, sx = fp8_triton.quantize(x)
+    return fp8_triton.gemm(xq, wq, scale, bias, x_scale=sx, out_dtype=x.dtype)

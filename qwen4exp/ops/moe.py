@@ -8,6 +8,9 @@ GPU dispatch by the step's (token, expert) pairs (thresholds in `tuning`):
                              (`moe_triton.fused_moe`), the shared expert on a side stream beside them;
   beyond                     torch's grouped GEMM (CUTLASS, bf16, Hopper) over the pairs in expert order
                              (`grouped_moe`), with Triton kernels for the order, the input rows, silu_mul and the sum.
+Block-scaled fp8 experts (`ops.fp8`) take the fp8 forms of the first two (`moe_triton.pairwise_moe_fp8`,
+`moe_triton.fused_moe_fp8`, the latter at every larger size: the grouped GEMM has no block-scaled form). A shared
+expert whose down projection is fp8 runs in the pairwise down launch or on the side stream either way.
 """
 
 import torch
@@ -94,19 +97,33 @@ def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None, ga
     may be block-scaled fp8 too, with `gate_up_scale` and `down_scale` (see `moe_experts_ref`).
 
     Dispatch: see the module docstring; on the GPU the gated shared expert is added in the kernel that sums each
-    token's experts. fp8 experts run the reference."""
+    token's experts."""
+    if shared_expert is not None and len(shared_expert) == 5 and shared_expert[2].dtype != fp8.FP8:
+        shared_expert = shared_expert[:4]  # an unquantized down weight: its (absent) scale means nothing
+
     def shared_output():
         if shared_expert is None:
             return None
         gate, up, down_weight, logit, *down_weight_scale = shared_expert
         return linear(silu_mul(gate, up), down_weight, scale=(down_weight_scale or [None])[0]), logit
 
-    quantized = gate_up.dtype == fp8.FP8 or (shared_expert is not None and len(shared_expert) == 5)
-    if not (HAS_TRITON and fast_path(x)) or quantized:
+    if not (HAS_TRITON and fast_path(x)) or (
+            gate_up.dtype == fp8.FP8 and not moe_triton.fp8_supported(x, gate_up, gate_up_scale, down, down_scale)):
         return moe_block_ref(x, gate_up, down, topk_ids, topk_weights, shared_output(), gate_up_scale, down_scale)
+    if gate_up.dtype == fp8.FP8:
+        quantized = (gate_up_scale, down, down_scale)
+        if topk_ids.numel() <= tuning.PAIRWISE_MAX_PAIRS:
+            return moe_triton.pairwise_moe_fp8(x, gate_up, *quantized, topk_ids, topk_weights, shared_expert)
+        if shared_expert is None or not x.is_cuda:
+            return moe_triton.fused_moe_fp8(x, gate_up, *quantized, topk_ids, topk_weights, shared=shared_output())
+        shared, side = shared_expert_on_side_stream(shared_expert)
+        return moe_triton.fused_moe_fp8(x, gate_up, *quantized, topk_ids, topk_weights, shared=shared,
+                                        shared_stream=side)
     if topk_ids.numel() >= tuning.GROUPED_MM_MIN_PAIRS and grouped_mm_available(x):
         return grouped_moe(x, gate_up, down, topk_ids, topk_weights, shared_output())
     if topk_ids.numel() <= tuning.PAIRWISE_MAX_PAIRS:
+        if shared_expert is not None and len(shared_expert) == 5:  # the bf16 kernel's shared down launch is bf16
+            return moe_triton.pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())
         return moe_triton.pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared_expert=shared_expert)
     if shared_expert is None or not x.is_cuda:  # (tests run the fast path on the CPU in Triton's interpreter)
         return moe_triton.fused_moe(x, gate_up, down, topk_ids, topk_weights, shared=shared_output())
@@ -115,11 +132,12 @@ def moe_experts(x, gate_up, down, topk_ids, topk_weights, shared_expert=None, ga
 
 
 def shared_expert_on_side_stream(shared_expert):
-    """The shared expert's silu_mul and down projection, launched on a side stream so that they run beside the
-    routed experts' weight-bound launches instead of before them (a few small kernels a layer at decode sizes;
-    stream forks and joins are captured by CUDA graphs). Returns ((output [N, H], logit), the side stream): the
-    output is allocated on the compute stream, which must wait on the side stream before reading it."""
-    gate, up, down_weight, logit = shared_expert
+    """The shared expert's silu_mul and down projection (bf16, or block-scaled fp8 for a 5-tuple), launched on a side
+    stream so that they run beside the routed experts' weight-bound launches instead of before them (a few small
+    kernels a layer at decode sizes; stream forks and joins are captured by CUDA graphs). Returns ((output [N, H],
+    logit), the side stream): the output is allocated on the compute stream, which must wait on the side stream before
+    reading it."""
+    gate, up, down_weight, logit, *down_weight_scale = shared_expert
     main = torch.cuda.current_stream(gate.device)
     side = side_stream(gate.device, "shared_expert")
     out = torch.empty(gate.shape[0], down_weight.shape[0], dtype=gate.dtype, device=gate.device)
@@ -127,7 +145,10 @@ def shared_expert_on_side_stream(shared_expert):
     with torch.cuda.stream(side):
         # silu_mul's result is allocated and freed on the side stream; the inputs outlive the join (the caller
         # holds them until moe_experts returns)
-        torch.mm(silu_mul(gate, up), down_weight.t(), out=out)
+        if down_weight_scale:  # block-scaled fp8: its product, also allocated and freed there, copied out
+            out.copy_(fp8.linear(silu_mul(gate, up), down_weight, down_weight_scale[0]))
+        else:
+            torch.mm(silu_mul(gate, up), down_weight.t(), out=out)
     return (out, logit), side
 
 

@@ -31,7 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_triton
 from ._triton_utils import INTERPRETED, launch_options, pdl_start, round_to, rounding
+from .fp8_triton import groups_per_step, quantize_groups, to_dtype
+
+# the activations' dtype as the fp8 kernels name it (they round to it by hand where the interpreter would truncate)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Alignment
@@ -788,3 +793,333 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
                             RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
                             ROUND=rounding(logits.dtype), num_warps=num_warps, **launch_options(logits))
     return weights, ids
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Block-scaled fp8 experts (ops.fp8's rule): gate_up [E, 2I', H] (gate rows, then up rows, each padded to I', a
+# multiple of 128) and down [E, H, I] in float8_e4m3fn with one fp32 scale per 128 x 128 block. The layer input is
+# quantized per token and 128-column group; each expert's activation silu(gate) * up is rounded to the activations'
+# dtype as the reference rounds it (gate and up as projection outputs, silu, the product), then quantized per row and
+# 128-column group for the down projection.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu_rounded(g, u, DTYPE: tl.constexpr, BF16: tl.constexpr):
+    """silu(g) * u with the reference's roundings to DTYPE (kept in fp32): g and u, silu(g), the product."""
+    g = round_to(g, DTYPE, BF16)
+    u = round_to(u, DTYPE, BF16)
+    return round_to(round_to(g * tl.sigmoid(g), DTYPE, BF16) * u, DTYPE, BF16)
+
+
+@triton.jit
+def _pair_gate_up_fp8_kernel(
+    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, top_k, hidden, inter, up_start,
+    stride_xn, stride_we, stride_wr, stride_wse, stride_wsr, stride_an,
+    DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, EXACT: tl.constexpr,
+    PDL: tl.constexpr
+):
+    """One (token, expert) pair x BLOCK_N rows of the intermediate (within one 128-row scale block), G 128-column
+    groups a step, as `fp8_triton._gemv_kernel`: the token's groups are quantized here in a compact [G, 128] layout,
+    scaled by the gate's and the up's block scales and broadcast over the rows. Writes the activation rounded to
+    DTYPE."""
+    pdl_start(PDL)
+    pair = tl.program_id(0)
+    token = pair // top_k
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    r0 = tl.program_id(1) * BLOCK_N
+    rows = r0 + tl.arange(0, BLOCK_N)
+    gg = tl.arange(0, G)
+    k2 = gg[:, None] * 128 + tl.arange(0, 128)[None, :]
+    k3 = k2[None, :, :]
+    rows3 = rows[:, None, None]
+    row_ok = rows3 < inter
+    g_ptrs = w_ptr + expert * stride_we + rows3 * stride_wr + k3
+    u_ptrs = g_ptrs + up_start * stride_wr
+    gs_ptrs = ws_ptr + expert * stride_wse + (r0 // 128) * stride_wsr + gg
+    us_ptrs = ws_ptr + expert * stride_wse + ((up_start + r0) // 128) * stride_wsr + gg
+    acc_g = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
+    for k0 in range(0, hidden, G * 128):
+        m3 = row_ok & (k0 + k3 < hidden)
+        wg = tl.load(g_ptrs + k0, mask=m3, other=0.0)
+        wu = tl.load(u_ptrs + k0, mask=m3, other=0.0)
+        x = tl.load(x_ptr + token * stride_xn + k0 + k2, mask=k0 + k2 < hidden, other=0.0).to(tl.float32)
+        q, s = quantize_groups(x, 1, EXACT)
+        g_ok = k0 + gg * 128 < hidden
+        a = q.to(tl.float32) * s
+        acc_g += (a * tl.load(gs_ptrs + k0 // 128, mask=g_ok, other=0.0)[:, None])[None, :, :] * wg.to(tl.float32)
+        acc_u += (a * tl.load(us_ptrs + k0 // 128, mask=g_ok, other=0.0)[:, None])[None, :, :] * wu.to(tl.float32)
+    h = _swiglu_rounded(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), DTYPE, BF16)
+    tl.store(act_ptr + pair * stride_an + rows, h.to(act_ptr.dtype.element_ty), mask=rows < inter)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _pair_down_fp8_kernel(
+    act_ptr, w_ptr, ws_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter, num_pairs,
+    stride_an, stride_we, stride_wr, stride_wse, stride_wsr, stride_on,
+    sg_ptr, su_ptr, sw_ptr, sws_ptr, shared_inter, stride_sg, stride_su, stride_sw, stride_sws,
+    DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HAS_SHARED: tl.constexpr,
+    SHARED_FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
+):
+    """One pair x BLOCK_N rows of the hidden dim (within one scale block): routing weight * down_e(act), the pair's
+    activation quantized here per 128-column group. With HAS_SHARED, programs past the pairs compute row
+    num_pairs + n = down_shared(silu(gate_n) * up_n) for token n (unweighted), its activation formed here from the
+    router GEMM's output and, when the shared down projection is fp8 too (SHARED_FP8, scales at sws), quantized."""
+    pdl_start(PDL)
+    pair = tl.program_id(0)
+    r0 = tl.program_id(1) * BLOCK_N
+    rows = r0 + tl.arange(0, BLOCK_N)
+    gg = tl.arange(0, G)
+    k2 = gg[:, None] * 128 + tl.arange(0, 128)[None, :]
+    k3 = k2[None, :, :]
+    rows3 = rows[:, None, None]
+    row_ok = rows3 < hidden
+    acc = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
+    if pair < num_pairs:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_ptrs = w_ptr + expert * stride_we + rows3 * stride_wr + k3
+        s_ptrs = ws_ptr + expert * stride_wse + (r0 // 128) * stride_wsr + gg
+        for k0 in range(0, inter, G * 128):
+            w = tl.load(w_ptrs + k0, mask=row_ok & (k0 + k3 < inter), other=0.0)
+            a = tl.load(act_ptr + pair * stride_an + k0 + k2, mask=k0 + k2 < inter, other=0.0).to(tl.float32)
+            q, s = quantize_groups(a, 1, EXACT)
+            sw = tl.load(s_ptrs + k0 // 128, mask=k0 + gg * 128 < inter, other=0.0)
+            acc += (q.to(tl.float32) * (s * sw[:, None]))[None, :, :] * w.to(tl.float32)
+        out = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
+    else:
+        if HAS_SHARED:
+            token = (pair - num_pairs).to(tl.int64)
+            for k0 in range(0, shared_inter, G * 128):
+                c_ok = k0 + k2 < shared_inter
+                g = tl.load(sg_ptr + token * stride_sg + k0 + k2, mask=c_ok, other=0.0).to(tl.float32)
+                u = tl.load(su_ptr + token * stride_su + k0 + k2, mask=c_ok, other=0.0).to(tl.float32)
+                # silu(gate) * up as `ops.moe.silu_mul` rounds it, the gate and up being the router GEMM's outputs
+                a = round_to(round_to(g * tl.sigmoid(g), DTYPE, BF16) * u, DTYPE, BF16)
+                w = tl.load(sw_ptr + rows3 * stride_sw + k0 + k3, mask=row_ok & (k0 + k3 < shared_inter), other=0.0)
+                if SHARED_FP8:
+                    q, s = quantize_groups(a, 1, EXACT)
+                    ss = tl.load(sws_ptr + (r0 // 128) * stride_sws + k0 // 128 + gg,
+                                 mask=k0 + gg * 128 < shared_inter, other=0.0)
+                    a = q.to(tl.float32) * (s * ss[:, None])
+                acc += a[None, :, :] * w.to(tl.float32)
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + pair * stride_on + rows, to_dtype(out, out_ptr.dtype.element_ty, EXACT), mask=rows < hidden)
+
+
+def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk_weights, shared_expert=None,
+                     block_n: int = 4, down_block_n: int = 8, num_warps: int = 1) -> torch.Tensor:
+    """`pairwise_moe` for block-scaled fp8 experts: one program per (pair, BLOCK_N rows), three launches (gate-up,
+    down with the shared expert, sum), each quantizing its activations per 128-column group itself (the layer input
+    in the gate-up launch, the activation in the down launch). `shared_expert` = (gate, up, down weight, logit) or
+    (gate, up, down weight, logit, down scale) for an fp8 down weight. block_n / down_block_n: rows a program (powers
+    of two dividing 128), to be measured on the H200."""
+    num_tokens, hidden = x.shape
+    up_start = gate_up.shape[1] // 2
+    inter = down.shape[2]
+    top_k = topk_ids.shape[1]
+    pairs = num_tokens * top_k
+    ids = topk_ids.reshape(-1)
+    wts = topk_weights.reshape(-1).contiguous()
+    bf16 = x.dtype == torch.bfloat16
+    dtype = _TL_DTYPES[x.dtype]
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    _pair_gate_up_fp8_kernel[(pairs, triton.cdiv(inter, block_n))](
+        x, gate_up, gate_up_scale, ids, act, top_k, hidden, inter, up_start, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), act.stride(0),
+        DTYPE=dtype, BF16=bf16, BLOCK_N=block_n, G=groups_per_step(hidden, 2), EXACT=INTERPRETED,
+        num_warps=num_warps,
+        **launch_options(x))
+    extra = num_tokens if shared_expert is not None else 0
+    out = torch.empty(pairs + extra, hidden, dtype=x.dtype, device=x.device)
+    shared_fp8 = shared_expert is not None and len(shared_expert) == 5
+    shared_inter = 0
+    if shared_expert is not None:
+        sg, su, sw = shared_expert[:3]
+        assert sg.stride(-1) == su.stride(-1) == sw.stride(-1) == 1
+        sws = shared_expert[4] if shared_fp8 else sw
+        shared_inter = sw.shape[1]
+        shared_args = (sg, su, sw, sws, shared_inter, sg.stride(0), su.stride(0), sw.stride(0), sws.stride(0))
+    else:
+        shared_args = (act, act, act, act, 0, 0, 0, 0, 0)  # never read
+    _pair_down_fp8_kernel[(pairs + extra, triton.cdiv(hidden, down_block_n))](
+        act, down, down_scale, ids, wts, out, hidden, inter, pairs, act.stride(0), down.stride(0), down.stride(1),
+        down_scale.stride(0), down_scale.stride(1), out.stride(0), *shared_args,
+        DTYPE=dtype, BF16=bf16, BLOCK_N=down_block_n, G=groups_per_step(max(inter, shared_inter), 1),
+        HAS_SHARED=shared_expert is not None, SHARED_FP8=shared_fp8, EXACT=INTERPRETED, num_warps=num_warps,
+        **launch_options(act))
+    shared = (out[pairs:], shared_expert[3]) if shared_expert is not None else None
+    return sum_pairs(out[:pairs], top_k, shared=shared)
+
+
+@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
+def _gate_up_fp8_kernel(
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, aq_ptr, as_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    num_pid_m, num_pairs, top_k, H, I, up_start,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am, stride_asm,
+    DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, EXACT: tl.constexpr,
+    PDL: tl.constexpr
+):
+    """`_gate_up_kernel` on fp8 operands, one 128-column block of the intermediate a program: per 128-column group
+    of H, fp8 dots of the rows' quantized input with the gate's and the up's tiles, scaled by the rows' and the
+    weight blocks' scales; then silu(gate) * up rounded as the reference rounds it, quantized per row (the tile is
+    one 128-column group of the activation) and written as fp8 with its scales."""
+    pdl_start(PDL)
+    pid_m, pid_n = _tile_ids(num_pid_m, I, 128, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    valid = pair < num_pairs
+    token = (pair // top_k).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * 128 + tl.arange(0, 128)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, 128)
+    a_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    sa_ptrs = xs_ptr + token * stride_xsm
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + up_start * stride_wn
+    gs_ptrs = ws_ptr + expert * stride_wse + pid_n * stride_wsn
+    us_ptrs = gs_ptrs + (up_start // 128) * stride_wsn
+    acc_g = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(H, 128)):
+        k_ok = offs_k < H - kb * 128
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        sa = tl.load(sa_ptrs + kb, mask=valid, other=0.0)[:, None]
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g += tl.dot(a, g) * (sa * tl.load(gs_ptrs + kb))
+        acc_u += tl.dot(a, u) * (sa * tl.load(us_ptrs + kb))
+        a_ptrs += 128
+        g_ptrs += 128
+        u_ptrs += 128
+    # padding rows and columns past I are zeros: zero activations, quantized with scale 1
+    q, s = quantize_groups(_swiglu_rounded(acc_g, acc_u, DTYPE, BF16), 1, EXACT)
+    tl.store(aq_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :], q, mask=n_ok[None, :])
+    tl.store(as_ptr + offs_m[:, None].to(tl.int64) * stride_asm + pid_n, s)
+
+
+@triton.jit(do_not_specialize=["num_pid_m", "num_pairs"])
+def _down_fp8_kernel(
+    aq_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, topk_w_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+    num_pid_m, num_pairs, H, I,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
+):
+    """`_down_kernel` on fp8 operands: per 128-column group of I, an fp8 dot of the quantized activations with the
+    down tile, scaled by the rows' and the weight blocks' scales; the routing weight in the epilogue."""
+    pdl_start(PDL)
+    pid_m, pid_n = _tile_ids(num_pid_m, H, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    valid = pair < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, 128)
+    a_ptrs = aq_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    sa_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    bs_ptrs = ws_ptr + expert * stride_wse + (offs_n // 128) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(I, 128)):
+        k_ok = offs_k < I - kb * 128
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        sa = tl.load(sa_ptrs + kb)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        sb = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        a_ptrs += 128
+        b_ptrs += 128
+    acc = acc * tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             to_dtype(acc, out_ptr.dtype.element_ty, EXACT), mask=valid[:, None] & n_ok[None, :])
+
+
+def get_fp8_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
+    """Tiles of the fp8 fused kernels from the static problem shape, with get_config's tiers of rows per expert (so
+    that the same step sizes share compiled variants). The K step is the 128-column group; the gate-up tile is one
+    128-column group of the activation (its epilogue quantizes it), so its two accumulators and the dots' results
+    hold 4 x BLOCK_M x 128 fp32: BLOCK_M stays at 64 or less, with 8 warps from 32 (the sm_90 build spills at 32 rows
+    on 4 warps). To be measured on the H200 (benchmarks/kernels/bench_fp8.py)."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 16:
+        return MoEConfig(block_m=16, gate_up=Tile(block_n=128, block_k=128, num_warps=4, num_stages=4),
+                         down=Tile(block_n=64, block_k=128, num_warps=4, num_stages=4))
+    if rows_per_expert <= 48:
+        return MoEConfig(block_m=32, gate_up=Tile(block_n=128, block_k=128, num_warps=8, num_stages=4),
+                         down=Tile(block_n=64, block_k=128, num_warps=4, num_stages=4))
+    return MoEConfig(block_m=64, gate_up=Tile(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3),
+                     down=Tile(block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4))
+
+
+def fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk_weights,
+                  config: MoEConfig | None = None, shared=None, shared_stream=None) -> torch.Tensor:
+    """`fused_moe` for block-scaled fp8 experts (every size past the pairwise kernels: torch's grouped GEMM has no
+    block-scaled form): the layer input quantized once (`fp8_triton.quantize`), the sorted pairs' gate-up GEMM
+    writing the quantized activation, the down GEMM, the sum. shared / shared_stream: as in `fused_moe`."""
+    num_tokens, hidden = x.shape
+    num_experts = gate_up.shape[0]
+    up_start = gate_up.shape[1] // 2
+    inter = down.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        _join(shared_stream)
+        return torch.zeros_like(x)
+    config = config or get_fp8_config(num_tokens, num_experts, top_k)
+    assert config.gate_up.block_n == config.gate_up.block_k == config.down.block_k == 128
+    block_m = config.block_m
+    align = moe_align_triton if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else moe_align
+    sorted_ids, expert_ids, num_post_padded = align(topk_ids, num_experts, block_m)
+    num_pid_m = expert_ids.numel()
+    weights = topk_weights.reshape(-1)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    xq, xs = fp8_triton.quantize(x)
+
+    rows = sorted_ids.numel()
+    aq = torch.empty(rows, inter, dtype=fp8_triton.FP8, device=x.device)
+    a_scale = torch.empty(rows, triton.cdiv(inter, 128), dtype=torch.float32, device=x.device)
+    t = config.gate_up
+    _gate_up_fp8_kernel[(num_pid_m * triton.cdiv(inter, 128),)](
+        xq, xs, gate_up, gate_up_scale, aq, a_scale, sorted_ids, expert_ids, num_post_padded,
+        num_pid_m, num_pairs, top_k, hidden, inter, up_start,
+        xq.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
+        gate_up_scale.stride(1), aq.stride(0), a_scale.stride(0),
+        DTYPE=_TL_DTYPES[x.dtype], BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, GROUP_M=t.group_m,
+        EXACT=INTERPRETED, num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(x))
+
+    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    t = config.down
+    _down_fp8_kernel[(num_pid_m * triton.cdiv(hidden, t.block_n),)](
+        aq, a_scale, down, down_scale, out_pairs, weights, sorted_ids, expert_ids, num_post_padded,
+        num_pid_m, num_pairs, hidden, inter,
+        aq.stride(0), a_scale.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
+        out_pairs.stride(0),
+        BLOCK_M=block_m, BLOCK_N=t.block_n, GROUP_M=t.group_m, EXACT=INTERPRETED, num_warps=t.num_warps,
+        num_stages=t.num_stages, **launch_options(aq))
+    _join(shared_stream)
+    return sum_pairs(out_pairs, top_k, shared=shared)
+
+
+def fp8_supported(x, gate_up, gate_up_scale, down, down_scale) -> bool:
+    """The fp8 expert kernels' preconditions: x [N, H] of a float dtype with unit-stride rows; gate_up [E, 2I', H]
+    and down [E, H, I] fp8 with unit-stride rows, I' = I rounded up to 128; fp32 block scales of the rule's shapes."""
+    if x.dim() != 2 or x.dtype not in _TL_DTYPES or x.stride(1) != 1:
+        return False
+    if gate_up.dtype != fp8_triton.FP8 or down.dtype != fp8_triton.FP8 or gate_up_scale is None or down_scale is None:
+        return False
+    e, two_ip, h = gate_up.shape
+    inter = down.shape[2]
+    return (x.shape[1] == h and two_ip == 2 * triton.cdiv(inter, 128) * 128 and tuple(down.shape) == (e, h, inter)
+            and gate_up.stride(2) == 1 and down.stride(2) == 1 and gate_up_scale.stride(2) == down_scale.stride(2) == 1
+            and gate_up_scale.dtype == down_scale.dtype == torch.float32
+            and tuple(gate_up_scale.shape) == (e, two_ip // 128, triton.cdiv(h, 128))
+            and tuple(down_scale.shape) == (e, triton.cdiv(h, 128), triton.cdiv(inter, 128)))

@@ -24,6 +24,23 @@ OUTPUT_SPLITS = 2
 # 128: 15.83 / 14.47 (8 and 32 partials were slower at 64 tokens: 12.83, 12.77).
 DOWN_SPLITS = 16
 
+# ---- block-scaled fp8 projections (ops.fp8) ----
+# Assumed, to be measured on the H200 (`python benchmarks/kernels/bench_fp8.py`): each is a choice between two
+# implementations that agree with the reference, so only speed depends on them.
+
+# Tokens up to which an fp8 projection runs as the CUDA-core GEMV (fp8_triton.gemv, x quantized in the kernel)
+# instead of the tensor-core kernel. Assumed 1: the GEMV's work grows with the tokens on CUDA cores (its 4D
+# accumulator doubles at 2), as the bf16 GEMV's did, which lost to cuBLAS from 2 tokens.
+FP8_GEMV_MAX_TOKENS = 1
+# Tokens up to which the tensor-core kernel (fp8_triton.gemm) quantizes x itself (one launch) instead of reading it
+# from a quantization launch. Assumed 16: every column tile repeats the quantization of all its rows (~10 ALU
+# instructions an element), which a 16-row tile hides behind its weight loads but a 64-row tile does not.
+FP8_FUSED_QUANT_MAX_TOKENS = 16
+# Tokens from which the quantization launch feeds torch's block-scaled cuBLAS GEMM instead of fp8_triton.gemm.
+# Assumed 1024: cuBLAS ran [4096, 2560] at 23-26 us for 8-64 tokens (10% of HBM bandwidth) and at 137.5 us for
+# 8192 (1,250 TFLOP/s), so its fixed cost is paid back only at prefill sizes.
+FP8_CUBLAS_MIN_TOKENS = 1024
+
 # ---- hyper-connections (ops.hyper_connection) ----
 
 # Tokens up to which the mix runs as two Triton launches (hyper_connection_triton.hc_mix_decode) instead of the
@@ -49,8 +66,10 @@ PREFILL_ATTN_MIN_TOKENS = 512
 
 # (token, expert) pairs up to which each pair is one GEMV-style program (moe_triton.pairwise_moe: no sort, three
 # launches) instead of the sorted-pairs fused kernels: at decode batch sizes experts are rarely shared, and the sort
-# is a dozen small launches a layer. 96 pairs is batch 9 at top-10.
+# is a dozen small launches a layer. 96 pairs is batch 9 at top-10. fp8 experts (moe_triton.pairwise_moe_fp8) use
+# the same threshold, to be measured for them on the H200 (benchmarks/kernels/bench_fp8.py).
 PAIRWISE_MAX_PAIRS = 96
 # Pairs from which the experts run through torch's grouped GEMM (CUTLASS, bf16, Hopper) over the pairs sorted by
-# expert instead of the fused Triton kernels. 4096 pairs is 410 tokens at top-10.
+# expert instead of the fused Triton kernels. 4096 pairs is 410 tokens at top-10. (fp8 experts have no grouped GEMM:
+# the fused kernels serve them at every size past the pairwise ones.)
 GROUPED_MM_MIN_PAIRS = 4096
