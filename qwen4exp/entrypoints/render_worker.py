@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 # a job whose message or reply is larger than this leaves big freed blocks behind: they go back to the system
 _TRIM_BYTES = 1 << 20
 _MAX_ERROR_CHARS = 1000  # an error may quote its input (a template, a value)
+_NICENESS = 10
 
 
 def _libc():
@@ -93,6 +94,8 @@ def main(fd: int, parent_pid: int, memory_cap: int) -> None:
     libc = _libc()
     _die_with_parent(libc, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
+    # where CPUs are short, the server's event loop and engine thread come first: they serve everyone
+    os.nice(_NICENESS)
     conn = Connection(fd)
     tok = pickle.loads(conn.recv_bytes())
     _cap_memory(memory_cap)

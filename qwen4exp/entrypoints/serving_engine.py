@@ -221,7 +221,7 @@ class OpenAIServing:
         """The token ids of the conversation as the chat template renders it."""
         template = self.template_for(template, kwargs)
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
-        conversation = [m.for_template() for m in messages]
+        conversation = parse({"messages"}, lambda: [m.for_template() for m in messages])
         try:
             ids = await self._pool("messages").render_chat(conversation, add_generation_prompt, template, kwargs,
                                                            self.max_prompt_chars, self.max_model_len)
