@@ -595,3 +595,22 @@ def test_abort_all_ends_running_and_waiting_requests_with_finish_reason_abort(li
     assert len(finals[0].outputs[0].token_ids) >= len(first.outputs[0].token_ids)
     assert finals[4].outputs[0].token_ids == [] and finals[4].prompt_token_ids == [5, 6, 7]
     poll(live.idle, 10)
+
+
+def test_serve_flags(capsys):
+    from qwen4exp.entrypoints.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--chat-template", "t.jinja", "--trust-request-chat-template",
+                                      "--max-request-body-bytes", "1000", "--renderer-num-workers", "3",
+                                      "--renderer-timeout", "2.5", "--shutdown-timeout", "7"])
+    assert (args.chat_template, args.trust_request_chat_template, args.max_request_body_bytes,
+            args.renderer_num_workers, args.renderer_timeout, args.shutdown_timeout) == ("t.jinja", True, 1000, 3,
+                                                                                         2.5, 7)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.trust_request_chat_template, defaults.max_request_body_bytes, defaults.shutdown_timeout) == (
+        False, 4 << 20, 0)
+    for flag, value in [("--renderer-num-workers", "0"), ("--renderer-timeout", "0"), ("--shutdown-timeout", "-1"),
+                        ("--max-request-body-bytes", "0")]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", flag, value])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
