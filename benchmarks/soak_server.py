@@ -123,6 +123,8 @@ def main() -> None:
     p.add_argument("--num-pages", type=int, default=48, help="a small cache forces preemption")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds the load may run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="also report where Python's allocations grew during the load (slower)")
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # the child: the URL to load
     args = p.parse_args()
     if args.client:
@@ -187,6 +189,11 @@ def main() -> None:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
+    if args.tracemalloc:
+        import tracemalloc
+
+        tracemalloc.start(10)
+        traced = tracemalloc.take_snapshot()
     preempted = preemptions(engine)
     result = load(args.requests, args.seed, args.time_limit - (time.monotonic() - start))
     sampling.set()
@@ -212,6 +219,12 @@ def main() -> None:
         "probes_during": len(result["probes_during"]),
         "seconds": round(time.monotonic() - start, 1),
     }
+    if args.tracemalloc:
+        growth = tracemalloc.take_snapshot().compare_to(traced, "traceback")
+        report["python_allocation_growth"] = [
+            f"{stat.size_diff / 1024:+.0f} KiB in {stat.count_diff:+d} blocks at "
+            + " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in stat.traceback[:4])
+            for stat in growth[:8]]
     print(json.dumps(report, indent=1))
     server.should_exit = True
     async_engine.shutdown()

@@ -104,7 +104,7 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
     allocator = CacheAllocator(int(num_pages), num_slots, page_size)
     tensors = allocate_cache(c, int(num_pages), page_size, num_slots, dtype, device)
     logger.info(
-        "KV cache: %d pages of %d tokens = %d tokens, %d state slots", allocator.pages.num_usable, page_size,
+        "KV cache: %d pages = %d tokens, %d state slots", allocator.pages.num_usable,
         allocator.pages.num_usable * page_size, allocator.slots.num_usable,
     )
     return allocator, tensors
