@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..engine.request import RequestOutput
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from .openai_format import Formatter
-from .protocol import ChatMessage, RequestError, param_of
+from .protocol import ChatMessage, param_of
 from .render_pool import RenderError, RenderPool, RenderWorkerDied
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
