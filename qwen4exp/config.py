@@ -451,7 +451,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _option(
         None, "tokens per step (default: vLLM 0.33's for the device, smaller for the OpenAI server than offline: "
               "8192 and 16384 on an H100 or H200, 2048 and 4096 on the CPU)")
-    page_size: int = _option(16, "tokens per KV cache page")
+    page_size: int | None = _option(
+        None, "tokens per KV cache page, a multiple of the model's indexer_compress_ratio (default: 16 rounded up "
+              "to such a multiple)")
     gpu_memory_utilization: float = _option(0.9, "fraction of the GPU's memory the engine may use (weights and cache)")
     cpu_cache_bytes: int = _option(1 << 30, "KV cache and state budget in bytes when running on the CPU")
     num_pages: int | None = _option(None, "KV cache pages to allocate (default: as many as the memory budget holds)")
@@ -487,7 +489,7 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "cpu_cache_bytes",
                      "num_pages"):
             value = getattr(self, name)
-            if value is None and name in ("max_num_batched_tokens", "num_pages"):
+            if value is None and name in ("max_num_batched_tokens", "page_size", "num_pages"):
                 continue
             if not _positive_int(value):
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")

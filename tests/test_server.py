@@ -239,6 +239,49 @@ BAD_REQUESTS = [
     ("/tokenize", {}, 400, None),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/v1/no-such-route", {}, 404, None),
+    # JSON types are not coerced: a string, a number or a boolean in the wrong place is the client's mistake
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "a", "echo": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "a", "ignore_eos": "true"}, 400, "ignore_eos"),
+    ("/v1/completions", {"prompt": "a", "n": "2"}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 2.0}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "temperature": "0.5"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [True]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [[False, True]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", 1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": 1}, 400, "logprobs"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": 0}, 400, "add_special_tokens"),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens"),
+    ("/detokenize", {"tokens": ["1"]}, 400, "tokens"),
+    # a stream has no place for prompt logprobs (vLLM refuses them too)
+    ("/v1/completions", {"prompt": "a", "stream": True, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": True, "prompt_logprobs": 0},
+     400, "prompt_logprobs"),
+    # only the checkpoint's template (or --chat-template's) renders unless the server trusts request templates
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"}, 400,
+     "chat_template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"}, 400,
+     "chat_template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "chat_template_kwargs": {"tokenize": True}}, 400, "messages"),
+    # prompts are bounded before they are tokenized: more characters than MAX_LEN tokens can hold
+    ("/v1/completions", {"prompt": "x" * (MAX_LEN * 100)}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "x" * (MAX_LEN * 100)]}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x" * (MAX_LEN * 100)}, 400, "prompt"),
+    # ... and by their tokens: ids, or a text that tokenizes longer than MAX_LEN
+    ("/v1/completions", {"prompt": [5] * (MAX_LEN + 1)}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "9 " * MAX_LEN}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "9 " * MAX_LEN}]}, 400, "messages"),
+    ("/tokenize", {"prompt": "9 " * MAX_LEN}, 400, "prompt"),
+    ("/detokenize", {"tokens": [5] * (MAX_LEN + 1)}, 400, "tokens"),
 ]
 
 
@@ -259,16 +302,31 @@ def test_server_healthy_after_bad_requests(live, client):
     poll(live.idle, 10)
 
 
-def test_api_key(live):
+def test_api_key_guards_every_route_that_does_work(live):
     with TestClient(build_app(live.async_engine, MODEL, api_key="sekret")) as c:
         assert_envelope(c.get("/v1/models"), 401)
         assert_envelope(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert_envelope(c.get("/v1/models", headers={"Authorization": "Basic sekret"}), 401)
         assert_envelope(c.post("/v1/completions", content="{bad json"), 401)  # auth is checked first
+        # the template is never rendered without the key (and /tokenize renders templates)
+        bomb = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{% for i in range(99999) %}"
+                "{% for j in range(99999) %}{% endfor %}{% endfor %}"}
+        assert_envelope(c.post("/tokenize", json=bomb), 401)
+        assert_envelope(c.post("/tokenize", json={"prompt": "hi"}), 401)
+        assert_envelope(c.post("/detokenize", json={"tokens": [1]}), 401)
+        assert_envelope(c.get("/v1/no-such-route"), 401)
         ok = {"Authorization": "Bearer sekret"}
         assert c.get("/v1/models", headers=ok).json()["data"][0]["id"] == MODEL
         r = c.post("/v1/completions", headers=ok, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        assert c.get("/health").status_code == 200  # like vLLM, only /v1 needs the key
+        assert c.post("/tokenize", headers=ok, json={"prompt": "hi"}).json()["count"] >= 1
+        assert_envelope(c.post("/tokenize", headers=ok, json=bomb), 400, "chat_template")  # refused, not run
+        # probes and the API's description stay open, as in vLLM
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        spec = c.get("/openapi.json").json()
+        assert spec["components"]["securitySchemes"] == {"apiKey": {"type": "http", "scheme": "bearer"}}
+        assert spec["paths"]["/tokenize"]["post"]["security"] == [{"apiKey": []}]
+        assert "security" not in spec["paths"]["/health"]["get"]
 
 
 def test_queue_full_returns_503_and_closed_streams_free_everything(live):
@@ -279,8 +337,10 @@ def test_queue_full_returns_503_and_closed_streams_free_everything(live):
         # 4 seats in the batch + MAX_QUEUED waiting; the streams stay open (generating) while we add more
         statuses = [streams.enter_context(c.stream("POST", url, json=body)).status_code for _ in range(4 + MAX_QUEUED)]
         assert statuses == [200] * (4 + MAX_QUEUED)
-        err = assert_envelope(c.post(url, json={**body, "stream": False}), 503)
-        assert err["type"] == "ServiceUnavailableError"
+        full = c.post(url, json={**body, "stream": False})
+        err = assert_envelope(full, 503)
+        assert err["type"] == "ServiceUnavailableError" and "max_queued_requests" in err["message"]
+        assert int(full.headers["Retry-After"]) >= 1
         poll(lambda: live.metric("qwen4exp:num_requests_waiting") == MAX_QUEUED, 10)
     # closing the streams aborts all six, including the two that never got a seat
     poll(live.idle, 10)
@@ -358,8 +418,8 @@ def test_engine_step_failure_fails_requests_not_the_server(live):
 
 def test_health_is_503_without_a_running_engine_loop(live):
     with TestClient(build_app(AsyncEngine(live.engine), MODEL)) as c:  # never started
-        assert_envelope(c.get("/health"), 503)
-        assert_envelope(c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 503)
+        for r in (c.get("/health"), c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})):
+            assert "not running" in assert_envelope(r, 503)["message"] and int(r.headers["Retry-After"]) >= 1
 
 
 # ----- vLLM's extra routes -----
@@ -409,3 +469,148 @@ def test_lm_eval_loglikelihoods_equal_engine_prompt_logprobs(live, reference, ti
     assert all(math.isfinite(x) for x in got)
     assert got == pytest.approx(expected, abs=1e-4)
     poll(live.idle, 10)
+
+
+# ----- hardening: body size, templates, the OpenAPI document, shutdown -----
+def test_request_body_limit_answers_413_without_reading_the_body(live):
+    url = f"{live.url}/v1/completions"
+    with TestClient(build_app(live.async_engine, MODEL, max_request_body_bytes=1000)) as c:
+        assert_envelope(c.post("/tokenize", json={"prompt": "x" * 2000}), 413)
+        assert c.post("/tokenize", json={"prompt": "x" * 200}).status_code == 200
+    big = b'{"prompt": "' + b"x" * (5 << 20) + b'"}'  # over the default 4 MiB
+    r = httpx.post(url, content=big, headers={"Content-Type": "application/json"}, timeout=30)
+    assert "--max-request-body-bytes" in assert_envelope(r, 413)["message"]
+
+    def chunks():  # no Content-Length: the server counts what arrives
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+
+    r = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert_envelope(r, 413)
+    assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_request_templates_when_trusted_and_runaway_work_is_stopped(live, reference):
+    tok = reference.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(build_app(live.async_engine, MODEL, trust_request_chat_template=True,
+                              renderer_timeout=1.0)) as c:
+        r = c.post("/tokenize", json={"messages": messages, "chat_template": "{{ messages[0].content }}!"})
+        assert r.json()["tokens"] == tok.encode("hi!", add_special_tokens=False)
+        r = c.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"chat_template": "<{{ x }}>",
+                                                                                    "x": "hi"}})
+        assert r.json()["tokens"] == tok.encode("<hi>", add_special_tokens=False)
+        loops = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+        start = time.monotonic()
+        r = c.post("/v1/chat/completions", json={"messages": messages, "chat_template": loops})
+        assert "time limit" in assert_envelope(r, 400, "messages")["message"]
+        assert time.monotonic() - start < 10  # killed at the limit, not run to the end (hours)
+        r = c.post("/tokenize", json={"messages": messages, "chat_template": "{{ 'a' * 10**11 }}"})
+        assert "memory" in assert_envelope(r, 400, "messages")["message"]
+        # a rendering that would not fit max_model_len tokens is stopped before it is tokenized
+        r = c.post("/tokenize", json={"messages": messages, "chat_template": "{{ 'a' * 10**6 }}"})
+        assert "characters" in assert_envelope(r, 400, "messages")["message"]
+        # the killed workers were replaced
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_runaway_template_stalls_neither_health_nor_generation(live):
+    """The template runs in a worker process: the event loop answers /health and the engine generates meanwhile."""
+    loops = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    with TestClient(build_app(live.async_engine, MODEL, trust_request_chat_template=True,
+                              renderer_timeout=3.0)) as c:
+        bomb = threading.Thread(target=c.post, args=("/tokenize",), kwargs={"json": {
+            "messages": [{"role": "user", "content": "hi"}], "chat_template": loops}})
+        bomb.start()
+        time.sleep(0.3)
+        waits = []
+        while bomb.is_alive():
+            start = time.monotonic()
+            assert c.get("/health").status_code == 200
+            waits.append(time.monotonic() - start)
+            r = c.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
+            assert r.status_code == 200
+            time.sleep(0.05)
+        bomb.join()
+    assert len(waits) >= 5 and sorted(waits)[len(waits) // 2] < 0.1
+
+
+def test_server_chat_template_option(live, reference, tmp_path):
+    from qwen4exp.entrypoints.server import load_chat_template
+
+    tok = reference.get_tokenizer()
+    path = tmp_path / "template.jinja"
+    path.write_text("[{{ messages[0].content }}]")
+    assert load_chat_template(str(path)) == "[{{ messages[0].content }}]"
+    assert load_chat_template("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(ValueError, match="chat_template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with TestClient(build_app(live.async_engine, MODEL, chat_template=load_chat_template(str(path)))) as c:
+        r = c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.json()["tokens"] == tok.encode("[hi]", add_special_tokens=False)
+
+
+def test_openapi_documents_every_status_and_media_type(live):
+    spec = httpx.get(f"{live.url}/openapi.json").json()
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, method in [("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/tokenize", "post"),
+                         ("/detokenize", "post")]:
+        responses = spec["paths"][path][method]["responses"]
+        assert "422" not in responses
+        for code in ("400", "404", "413"):
+            assert responses[code]["content"] == error, (path, code)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert "Retry-After" in responses["503"]["headers"]
+    assert spec["paths"]["/health"]["get"]["responses"]["200"].get("content", {}) == {}
+    assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    r = httpx.get(f"{live.url}/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "content-type" not in httpx.get(f"{live.url}/health").headers
+
+
+def test_abort_all_ends_running_and_waiting_requests_with_finish_reason_abort(live):
+    """What a shutdown does at --shutdown-timeout: every request still in the engine gets its last output, with
+    finish_reason "abort" (the one still waiting for a seat has generated nothing)."""
+    params = SamplingParams(max_tokens=240, ignore_eos=True)
+
+    async def run():
+        engine = live.async_engine
+        streams = [await engine.add_request(f"abort-all-{i}", [5, 6, 7], params) for i in range(5)]  # 4 seats
+        first = await streams[0].get()
+        assert not first.finished
+        assert await engine.abort_all() == 5
+        finals = []
+        for s in streams:
+            async for out in engine.stream_outputs(s):
+                last = out
+            finals.append(last)
+        return first, finals
+
+    first, finals = asyncio.run(run())
+    assert all(out.finished and out.outputs[0].finish_reason == "abort" for out in finals)
+    assert len(finals[0].outputs[0].token_ids) >= len(first.outputs[0].token_ids)
+    assert finals[4].outputs[0].token_ids == [] and finals[4].prompt_token_ids == [5, 6, 7]
+    poll(live.idle, 10)
+
+
+def test_serve_flags(capsys):
+    from qwen4exp.entrypoints.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--chat-template", "t.jinja", "--trust-request-chat-template",
+                                      "--max-request-body-bytes", "1000", "--renderer-num-workers", "3",
+                                      "--renderer-timeout", "2.5", "--shutdown-timeout", "7"])
+    assert (args.chat_template, args.trust_request_chat_template, args.max_request_body_bytes,
+            args.renderer_num_workers, args.renderer_timeout, args.shutdown_timeout) == ("t.jinja", True, 1000, 3,
+                                                                                         2.5, 7)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.trust_request_chat_template, defaults.max_request_body_bytes, defaults.shutdown_timeout) == (
+        False, 4 << 20, 0)
+    for flag, value in [("--renderer-num-workers", "0"), ("--renderer-timeout", "0"), ("--shutdown-timeout", "-1"),
+                        ("--max-request-body-bytes", "0")]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", flag, value])
+        assert e.value.code == 2 and flag in capsys.readouterr().err

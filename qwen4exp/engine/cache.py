@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ..config import EngineConfig, ModelConfig
+from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.state import ModelCache, allocate_cache, page_bytes, slot_bytes
 
 logger = logging.getLogger("qwen4exp")
@@ -65,16 +65,29 @@ class CacheAllocator:
         return 1.0 - self.pages.num_free / max(self.pages.num_usable, 1)
 
 
+DEFAULT_PAGE_SIZE = 16
+
+
+def resolve_page_size(model_config: ModelConfig, page_size: int | None) -> int:
+    """The page size a model's cache uses: `page_size` when given, else DEFAULT_PAGE_SIZE rounded up to a multiple
+    of the model's QSA block (indexer_compress_ratio tokens), since a block never straddles a page. A given size that
+    is no such multiple is a ConfigError."""
+    block = model_config.indexer_compress_ratio if model_config.qsa else 1
+    if page_size is None:
+        return -(-DEFAULT_PAGE_SIZE // block) * block
+    if page_size % block:
+        raise ConfigError("page_size", f"{page_size} is not a multiple of the model's indexer_compress_ratio={block} "
+                                       f"(a QSA block never straddles a page); leave it unset to follow the model")
+    return page_size
+
+
 def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype,
                           device) -> tuple[CacheAllocator, ModelCache]:
     """The cache tensors, as many pages as the memory budget holds (or `num_pages`) and max_num_seqs + 1 slots,
     with their allocator."""
     c, e = model_config, engine_config
-    if c.qsa and e.page_size % c.indexer_compress_ratio:
-        raise ValueError(
-            f"page_size: {e.page_size} must be a multiple of indexer_compress_ratio={c.indexer_compress_ratio}"
-        )
-    per_page = max(page_bytes(c, e.page_size, dtype), 1)
+    page_size = resolve_page_size(c, e.page_size)
+    per_page = max(page_bytes(c, page_size, dtype), 1)
     per_slot = max(slot_bytes(c, dtype), 1)
     num_slots = e.max_num_seqs + 1
     if e.num_pages is not None:
@@ -82,17 +95,17 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
     else:
         budget = _memory_budget(e, device) - num_slots * per_slot
         num_pages = budget // per_page
-    pages_per_seq = -(-e.max_model_len // e.page_size)
+    pages_per_seq = -(-e.max_model_len // page_size)
     if num_pages - 1 < pages_per_seq:
         raise ValueError(
-            f"the cache budget holds {max(num_pages - 1, 0)} pages of {e.page_size} tokens but one request of "
+            f"the cache budget holds {max(num_pages - 1, 0)} pages of {page_size} tokens but one request of "
             f"max_model_len={e.max_model_len} needs {pages_per_seq}; raise the memory budget or lower max_model_len"
         )
-    allocator = CacheAllocator(int(num_pages), num_slots, e.page_size)
-    tensors = allocate_cache(c, int(num_pages), e.page_size, num_slots, dtype, device)
+    allocator = CacheAllocator(int(num_pages), num_slots, page_size)
+    tensors = allocate_cache(c, int(num_pages), page_size, num_slots, dtype, device)
     logger.info(
         "KV cache: %d pages = %d tokens, %d state slots", allocator.pages.num_usable,
-        allocator.pages.num_usable * e.page_size, allocator.slots.num_usable,
+        allocator.pages.num_usable * page_size, allocator.slots.num_usable,
     )
     return allocator, tensors
 

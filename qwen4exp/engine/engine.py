@@ -12,7 +12,7 @@ import torch
 
 from ..config import EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config, resolve_device
 from ..weights.loader import load_model
-from .cache import allocate_engine_cache
+from .cache import allocate_engine_cache, resolve_page_size
 from .metrics import EngineMetrics
 from .output_processor import OutputProcessor, ParentRequest
 from .request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -76,7 +76,9 @@ class LLMEngine:
                                 ple_table_dtype=self.config.ple_table_dtype,
                                 gpu_memory_utilization=self.config.gpu_memory_utilization,
                                 quantization=self.config.quantization)
-        # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's)
+        # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's); the
+        # page size follows the model unless given
+        self.config = dataclasses.replace(self.config, page_size=resolve_page_size(mc, self.config.page_size))
         self.cache, cache_tensors = allocate_engine_cache(mc, self.config, self.dtype, self.device)
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None

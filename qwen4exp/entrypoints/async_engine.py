@@ -3,6 +3,11 @@
 The engine is not thread-safe, so every call into it happens on the engine thread: the event loop only enqueues
 add/abort commands and reads per-request asyncio queues that the engine thread fills through
 `loop.call_soon_threadsafe`. A model step never blocks the event loop, and the event loop never races a step.
+Prompts arrive tokenized (the server tokenizes in its render pool), so the engine thread does no per-request work
+that a client can make long.
+
+Shutdown: `drain()` refuses new requests while the running ones go on; `abort_all()` ends those still running, each
+with a last output whose unfinished sequences have finish_reason "abort"; `shutdown()` stops the thread.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..engine.engine import LLMEngine
-from ..engine.request import RequestOutput, SamplingParams
+from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger("qwen4exp")
 
@@ -41,10 +47,13 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self.finished = False
+        self.last: RequestOutput | None = None  # the latest output put (engine thread only)
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput):
+            self.last = item
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -75,6 +84,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _AbortAll:
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None, health_timeout_s: float = 60.0,
                  idle_wait_s: float = 0.5):
@@ -88,6 +102,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
+        self._draining = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -105,7 +120,7 @@ class AsyncEngine:
     # ----- lifecycle -----
     def start(self) -> AsyncEngine:
         if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
+            self._stopping = self._draining = False
             self.heartbeat = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="qwen4exp-engine", daemon=True)
             self._thread.start()
@@ -118,8 +133,37 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def is_healthy(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive() and not self._stopping
-                and time.monotonic() - self.heartbeat < self.health_timeout_s)
+        return self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve requests now, or None."""
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine loop is not running"
+        if self._stopping or self._draining:
+            return "the server is shutting down"
+        silent = time.monotonic() - self.heartbeat
+        if silent >= self.health_timeout_s:
+            return f"the engine loop has not come back from a step for {silent:.0f} s"
+        return None
+
+    def drain(self) -> None:
+        """Refuse new requests from now on; those already added go on."""
+        self._draining = True
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests added (or being added) and not finished yet."""
+        return len(self._streams) + (not self._commands.empty())
+
+    async def abort_all(self) -> int:
+        """Ends every running request now: each gets a last output with finish_reason "abort" on its unfinished
+        sequences. Returns how many there were."""
+        if self._thread is None or not self._thread.is_alive():
+            return 0
+        cmd = _AbortAll()
+        self._commands.put(cmd)
+        self._wake.set()
+        return await asyncio.wrap_future(cmd.done)
 
     # ----- requests (event loop side) -----
     async def add_request(self, request_id: str, prompt: str | list[int] | dict,
@@ -127,8 +171,10 @@ class AsyncEngine:
         """Queue a request and wait until the engine accepted it. Raises the engine's ValueError for bad input
         and QueueFullError when too many requests wait."""
         # not is_healthy(): a long step makes the heartbeat stale, yet the request will be served after it
-        if self._thread is None or not self._thread.is_alive() or self._stopping:
+        if self._thread is None or not self._thread.is_alive():
             raise EngineDeadError("the engine loop is not running")
+        if self._stopping or self._draining:
+            raise EngineDeadError("the server is shutting down")
         stream = RequestStream(request_id, asyncio.get_running_loop())
         cmd = _Add(request_id, prompt, params, stream, time.monotonic())
         self._commands.put(cmd)
@@ -188,7 +234,7 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, (_Add, _AbortAll)):
                 cmd.done.set_exception(dead)
         logger.info("engine loop stopped")
 
@@ -200,9 +246,27 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _AbortAll):
+                cmd.done.set_result(self._abort_all())
             else:
                 self._streams.pop(cmd.request_id, None)
                 self.engine.abort_request(cmd.request_id)
+
+    def _abort_all(self) -> int:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            last = stream.last
+            if last is None:  # nothing generated yet: empty sequences, the prompt as the engine holds it
+                parent = self.engine.output_processor.parents.get(request_id)
+                last = RequestOutput(request_id, parent.prompt if parent else None,
+                                     parent.prompt_token_ids if parent else [], None,
+                                     [CompletionOutput(i, "", [], None, None) for i in range(
+                                         len(parent.children) if parent else 1)], False)
+            outputs = [c if c.finish_reason is not None else dataclasses.replace(c, finish_reason="abort")
+                       for c in last.outputs]
+            self.engine.abort_request(request_id)
+            stream.put(dataclasses.replace(last, outputs=outputs, finished=True))
+        return len(streams)
 
     def _add(self, cmd: _Add) -> None:
         try:

@@ -11,6 +11,10 @@ from ..bench.cli import add_bench_parser
 from ..config import EngineConfig
 from .default_model import add_model_option, resolve_model
 
+# the server's default body limit (here so that `--help` imports no FastAPI): a prompt of 262,144 tokens sent as
+# token ids is about 1.8 MB of JSON, and parsing the worst 4 MiB body holds the event loop for about 0.1-0.5 s
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+
 
 def _make_random(args) -> None:
     from ..weights.random_checkpoint import make_random
@@ -45,6 +49,20 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (config.json, safetensors, tokenizer); without it, a random-weight "
@@ -53,9 +71,25 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name clients pass as `model` (default: the model path); the first one is used")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every route but /health and /metrics")
     p.add_argument("--max-queued-requests", type=_non_negative_int, default=None,
                    help="answer 503 when more requests than this would wait for a seat in the batch")
+    p.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="answer 413 to a larger request body (default: %(default)s)")
+    p.add_argument("--chat-template", default=None,
+                   help="the chat template: a file, or the template itself (default: the checkpoint's)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat template (`chat_template`, or `chat_template` in "
+                        "`chat_template_kwargs`); without it they are refused with a 400")
+    p.add_argument("--renderer-num-workers", type=_positive_int, default=2,
+                   help="processes that render chat templates and tokenize (default: %(default)s)")
+    p.add_argument("--renderer-timeout", type=_positive_float, default=30.0,
+                   help="seconds one request's template rendering or tokenization may take before its worker is "
+                        "killed and the request gets a 400 (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=_non_negative_int, default=0,
+                   help="on SIGTERM or SIGINT, seconds in-flight requests may run on before they are aborted; "
+                        "0 aborts them at once (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineConfig.add_cli_args(p)

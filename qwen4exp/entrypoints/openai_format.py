@@ -100,7 +100,8 @@ class Formatter:
         text, ids, entries = self._generated(req, c)
         prefix, p_ids, p_entries = "", [], []
         if not s.started and req.echo:
-            if req.logprobs is not None and len(out.prompt_logprobs or ()) < len(out.prompt_token_ids):
+            scored = len(out.prompt_logprobs or ()) >= len(out.prompt_token_ids)
+            if req.logprobs is not None and not scored and not finished:
                 return None  # prompt logprobs arrive chunk by chunk during prefill: echo them once complete
             prefix = self.prompt_text(out)
             p_ids, p_entries = self._prompt_part(out)

@@ -1,15 +1,18 @@
-"""OpenAI API request models with vLLM's extra sampling fields, and their conversion to SamplingParams.
+"""OpenAI API request models with vLLM's extra sampling fields, their conversion to SamplingParams, and the
+response models of the OpenAPI document.
 
-Only requests are modelled; responses are plain dicts built in server.py. Every check that an input can fail
-raises RequestError (a ValueError) whose `param` names the offending field, so the server can answer 400.
+Requests are validated strictly: a boolean, an integer or a token id must arrive as that JSON type (`"stream":
+"yes"` or `[[false, true]]` as token ids are 400s, not coerced). Every check that an input can fail raises
+RequestError (a ValueError) whose `param` names the offending field, so the server can answer 400. Responses are
+plain dicts built by the serving modules; their models here only document them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WrapValidator, model_validator
 
 from ..engine.request import SamplingParams
 
@@ -27,7 +30,24 @@ class RequestError(ValueError):
 class OpenAIBaseModel(BaseModel):
     # unknown fields are ignored (as vLLM does) so that newer clients keep working; NaN/Infinity, which Python's
     # json module accepts, would slip through every range check below
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+
+
+def _lists_by_first_item(value, handler):
+    """Validates a list prompt as the type its first item announces. The union's own validation tries every list
+    type on every item and collects an error per item: a second of event-loop time for a few megabytes of
+    prompts."""
+    if isinstance(value, list) and value:
+        first = value[0]
+        adapter = _STRINGS if isinstance(first, str) else _ID_LISTS if isinstance(first, list) else _IDS
+        return adapter.validate_python(value)
+    return handler(value)
+
+
+_STRICT = ConfigDict(strict=True)
+_STRINGS, _IDS, _ID_LISTS = (TypeAdapter(t, config=_STRICT) for t in (list[str], list[int], list[list[int]]))
+# a text, token ids, or a batch of either
+Prompt = Annotated[list[int] | list[list[int]] | str | list[str], WrapValidator(_lists_by_first_item)]
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -35,7 +55,8 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # name, tool_calls... go to the template as is
+    # name, tool_calls... go to the template as is
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -84,6 +105,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
     def _sampling_params(self, vocab_size: int, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None) -> SamplingParams:
+        if self.stream and self.prompt_logprobs is not None:  # a stream has no place for them (vLLM: 400 too)
+            raise RequestError("prompt_logprobs: not available when stream is true", "prompt_logprobs")
         for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if k is not None and k > MAX_LOGPROBS:
                 raise RequestError(f"{name} must be at most {MAX_LOGPROBS}, got {k}.", name)
@@ -127,7 +150,7 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: list[int] | list[list[int]] | str | list[str]
+    prompt: Prompt
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -165,6 +188,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     echo: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self, vocab_size: int) -> SamplingParams:
@@ -185,6 +209,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -208,3 +233,121 @@ def param_of(error: ValueError, fields: set[str]) -> str | None:
         return param
     m = re.match(r"(\w+)[: ]", str(error))
     return m.group(1) if m and m.group(1) in fields else None
+
+
+# ----- responses (the OpenAPI document; the serving modules build them as dicts) -----
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# per prompt token: None (the first) or {token id: its logprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    tool_calls: list[dict[str, Any]]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+    permission: list[Any]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

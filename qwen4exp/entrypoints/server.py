@@ -1,167 +1,167 @@
 """OpenAI-compatible HTTP server (vLLM's routes, request fields and response shapes) over an AsyncEngine.
 
-Every client mistake is answered with a 4xx in the OpenAI error envelope {"error": {message, type, param, code}};
-only an engine failure is a 5xx. A request whose client goes away is aborted, which frees its cache.
+The routes live in serving_completion.py, serving_chat.py and serving_tokenization.py; this module builds the app
+around them: the API key and body size checks (pure ASGI, before a body is read), the error envelopes, the OpenAPI
+document (every status and media type a route can answer), and `qwen4exp serve`'s process with its bounded shutdown.
+
+No request may stall the others: the event loop only parses bodies (at most --max-request-body-bytes) and moves
+streams; templates and tokenization run in the render pool's processes, with a time limit; the engine thread gets
+token ids.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import json
+import hashlib
 import logging
+import os
 import secrets
+import signal
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
-from ..engine.request import RequestOutput
-from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
-from .openai_format import Formatter, usage
+from .async_engine import AsyncEngine
+from .cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from .protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
-    RequestError,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
     TokenizeRequest,
-    param_of,
+    TokenizeResponse,
 )
+from .render_pool import RenderPool
+from .serving_chat import ServingChat
+from .serving_completion import ServingCompletion
+from .serving_engine import APIError, error_response, to_api_error
+from .serving_tokenization import ServingTokenization
 
 logger = logging.getLogger("qwen4exp")
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    err = {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else
-                                                           "InternalServerError"), "param": param, "code": status}
-    return JSONResponse({"error": err}, status_code=status)
-
-
-def to_api_error(e: Exception, fields: set[str] = frozenset()) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, (QueueFullError, EngineDeadError)):
-        return APIError(503, str(e))
-    if isinstance(e, EngineStepError):
-        return APIError(500, str(e))
-    if isinstance(e, (ValueError, TypeError)):  # SamplingParams, the engine's add_request, our own checks
-        return APIError(400, str(e), param_of(e, fields) if isinstance(e, ValueError) else None)
-    return APIError(500, f"{type(e).__name__}: {e}")
+# routes anyone may call: probes and the API's own description, as in vLLM
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 class _APIKeyMiddleware:
-    """Bearer-token check on /v1 routes, as vLLM does. Pure ASGI so it runs before the body is parsed and leaves
-    streaming and disconnect detection untouched."""
+    """`Authorization: Bearer KEY` on every route that does work (all but OPEN_PATHS). Pure ASGI, so it answers
+    before a body is read. Digests of equal length are compared in constant time, so the time taken tells nothing
+    about the key."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.key = app, api_key.encode()
+        self.app, self.digest = app, hashlib.sha256(api_key.encode()).digest()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+            if not (secrets.compare_digest(hashlib.sha256(token.strip()).digest(), self.digest)
+                    & (scheme.lower() == b"bearer")):
                 return await error_response(401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         await self.app(scope, receive, send)
 
 
-class _SSEResponse(StreamingResponse):
-    """Runs `on_close` however the stream ends. Starlette drops the body iterator un-closed when the client
-    disconnects, and a request still waiting for its first token yields nothing that could notice; closing here
-    is what aborts it."""
+class _BodyLimitMiddleware:
+    """413 for a body over `limit` bytes: at once when Content-Length says so, else as soon as that many bytes
+    arrived. The body is read here and replayed to the app as it came, so the app never holds more."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            await self.body_iterator.aclose()
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                messages.clear()
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        response = error_response(413, f"The request body is larger than the server's limit of {self.limit} bytes "
+                                       f"(--max-request-body-bytes).")
+        response.headers["Connection"] = "close"  # the rest of the body is not read
+        await response(scope, receive, send)
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _error_docs(*codes: int) -> dict:
+    why = {400: "Invalid input (the message names the field in `param`)", 401: "Missing or wrong API key",
+           404: "Unknown model name", 413: "Request body over --max-request-body-bytes",
+           500: "The engine failed while serving the request",
+           503: "The engine takes no requests now (a full queue, a shutdown, a stopped loop); retry after "
+                "`Retry-After` seconds"}
+    docs = {code: {"model": ErrorResponse, "description": why[code]} for code in codes}
+    if 503 in docs:
+        docs[503]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                                "schema": {"type": "integer"}}}
+    return docs
 
 
-async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave the outputs of several requests; leaving early cancels (and so aborts) all of them."""
-    q: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, it: AsyncIterator[RequestOutput]):
-        try:
-            async for out in it:
-                await q.put((i, out))
-        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
-            await q.put((i, e))
-        finally:
-            await q.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await q.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _run_until_disconnect(raw: Request, coro):
-    """Await `coro` unless the client goes away first; cancelling it aborts its requests."""
-    work = asyncio.ensure_future(coro)
-
-    async def disconnected():
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-    if work.cancelled():
-        raise APIError(499, "client disconnected")
-    return work.result()
+def _streamed(model, what: str) -> dict:
+    return {200: {"model": model, "description": f"{what}; with `stream: true`, server-sent events (`data: "
+                                                 f"{{chunk}}` lines, then `data: [DONE]`)",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_model_len: int | None = None, model_path: str | None = None) -> FastAPI:
+              max_model_len: int | None = None, model_path: str | None = None, *, chat_template: str | None = None,
+              trust_request_chat_template: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, renderer_num_workers: int = 2,
+              renderer_timeout: float = 30.0) -> FastAPI:
+    """The app over a started AsyncEngine. Its render pool's processes start here and stop with the app's
+    lifespan (uvicorn's shutdown, or leaving a TestClient)."""
     engine = async_engine
-    tokenizer = engine.tokenizer
-    vocab_size = engine.model_config.vocab_size
     max_model_len = max_model_len or engine.config.max_model_len
-    fmt = Formatter(tokenizer)
-    app = FastAPI(title="qwen4exp OpenAI-compatible server")
-    if api_key:
+    pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
+    args = (engine, pool, served_model_name, max_model_len, chat_template, trust_request_chat_template)
+    completion, chat, tokenization = ServingCompletion(*args), ServingChat(*args), ServingTokenization(*args)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        try:
+            yield
+        finally:
+            if pool is not None:
+                pool.close()
+
+    app = FastAPI(title="qwen4exp OpenAI-compatible server", lifespan=lifespan)
+    app.state.render_pool = pool
+    app.add_middleware(_BodyLimitMiddleware, limit=max_request_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for a request without the key
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    work = 401 if api_key else None
     v1 = APIRouter(prefix="/v1")
+
+    def errors(*codes: int) -> dict:
+        return _error_docs(*sorted(c for c in (*codes, work) if c is not None))
 
     # ----- errors -----
     @app.exception_handler(APIError)
@@ -189,54 +189,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         err = to_api_error(e)
         return error_response(err.status, err.message, err.param)
 
-    # ----- helpers -----
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "model")
-
-    def encode_messages(messages, add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
-        conv = [m.for_template() for m in messages]
-        try:
-            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                return_dict=False, **(kwargs or {}))
-        except Exception as e:  # noqa: BLE001 - jinja errors (raise_exception in templates), clashing kwargs
-            raise RequestError(f"messages: the chat template could not be applied: {e}", "messages") from None
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
-    async def add_all(base_id: str, prompts: list, params, fields: set[str]) -> list[RequestStream]:
-        streams = []
-        try:
-            for i, prompt in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await engine.add_request(rid, prompt, params))
-        except BaseException as e:  # a later prompt failed or the client left: drop the ones already added
-            for s in streams:
-                engine.abort(s.request_id)
-            if isinstance(e, Exception):
-                raise to_api_error(e, fields) from None
-            raise
-        return streams
-
-    def abort_all(streams: list[RequestStream]) -> Callable[[], None]:
-        return lambda: [engine.abort(s.request_id) for s in streams if not s.finished]
-
-    async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        try:
-            async for i, out in _merge([engine.stream_outputs(s) for s in streams]):
-                finals[i] = out
-        finally:  # cancelled (client gone) before every stream was even started: abort the rest here
-            abort_all(streams)()
-        return finals
-
-    def parse(body_fields: set[str], fn):
-        try:
-            return fn()
-        except ValueError as e:
-            raise to_api_error(e, body_fields) from None
-
     # ----- OpenAI routes -----
-    @v1.get("/models")
+    @v1.get("/models", responses={200: {"model": ModelList}, **errors()})
     async def models():
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "qwen4exp",
@@ -244,125 +198,60 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             "permission": [],
         }]}
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses={**_streamed(CompletionResponse, "The completion"),
+                                        **errors(400, 404, 413, 500, 503)})
     async def completions(req: CompletionRequest, raw: Request):
-        check_model(req.model)
-        fields = set(CompletionRequest.model_fields)
-        prompts = parse(fields, req.prompts)
-        params = parse(fields, lambda: req.to_sampling_params(vocab_size))
-        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await add_all(request_id, prompts, params, fields)
-        head = {"id": request_id, "object": "text_completion", "created": created, "model": served_model_name}
-        if req.stream:
-            return _SSEResponse(completion_stream(req, head, streams), abort_all(streams))
-        try:
-            finals = await _run_until_disconnect(raw, final_outputs(streams))
-        except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx by to_api_error
-            raise to_api_error(e) from None
-        choices = [fmt.completion_choice(req, out, c, i * req.n + c.index)
-                   for i, out in enumerate(finals) for c in out.outputs]
-        return {**head, "choices": choices, "usage": usage(finals, req.echo_only)}
+        return await completion.create_completion(req, raw)
 
-    async def completion_stream(req: CompletionRequest, head: dict, streams: list[RequestStream]):
-        state = fmt.new_stream_state()
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for i, out in _merge([engine.stream_outputs(s) for s in streams]):
-                finals[i] = out
-                for c in out.outputs:
-                    choice = fmt.completion_delta(req, out, c, i * req.n + c.index, state)
-                    if choice is not None:
-                        yield _sse({**head, "choices": [choice]} | ({"usage": None} if req.include_usage else {}))
-        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
-            err = to_api_error(e)
-            yield _sse({"error": {"message": err.message, "type": _ERROR_TYPES.get(err.status),
-                                  "param": err.param, "code": err.status}})
-        else:
-            if req.include_usage:
-                yield _sse({**head, "choices": [], "usage": usage(list(finals.values()), req.echo_only)})
-        yield "data: [DONE]\n\n"
-
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses={**_streamed(ChatCompletionResponse, "The chat completion"),
+                                             **errors(400, 404, 413, 500, 503)})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        check_model(req.model)
-        fields = set(ChatCompletionRequest.model_fields)
-        params = parse(fields, lambda: req.to_sampling_params(vocab_size))
-        prompt_ids = parse(fields, lambda: encode_messages(
-            req.messages, req.add_generation_prompt, req.chat_template_kwargs))
-        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await add_all(request_id, [prompt_ids], params, fields)
-        head = {"id": request_id, "object": "chat.completion", "created": created, "model": served_model_name}
-        echo = fmt.chat_echo(req)
-        if req.stream:
-            return _SSEResponse(chat_stream(req, {**head, "object": "chat.completion.chunk"}, streams[0], echo),
-                                abort_all(streams))
-        try:
-            (out,) = await _run_until_disconnect(raw, final_outputs(streams))
-        except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx by to_api_error
-            raise to_api_error(e) from None
-        return {**head, "choices": [fmt.chat_choice(req, out, c, echo) for c in out.outputs],
-                "usage": usage([out]), "prompt_logprobs": fmt.prompt_logprobs(req, out)}
-
-    async def chat_stream(req: ChatCompletionRequest, head: dict, stream: RequestStream, echo: str):
-        state = fmt.new_stream_state()
-        extra = {"usage": None} if req.include_usage else {}
-        for i in range(req.n):  # the role comes first, as in OpenAI's and vLLM's streams
-            delta = {"role": "assistant", "content": echo}
-            yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
-                        **extra})
-        last = None
-        try:
-            async for out in engine.stream_outputs(stream):
-                last = out
-                for c in out.outputs:
-                    choice = fmt.chat_delta(req, c, state)
-                    if choice is not None:
-                        yield _sse({**head, "choices": [choice], **extra})
-        except Exception as e:  # noqa: BLE001
-            err = to_api_error(e)
-            yield _sse({"error": {"message": err.message, "type": _ERROR_TYPES.get(err.status),
-                                  "param": err.param, "code": err.status}})
-        else:
-            if req.include_usage:
-                yield _sse({**head, "choices": [], "usage": usage([last])})
-        yield "data: [DONE]\n\n"
+        return await chat.create_chat_completion(req, raw)
 
     app.include_router(v1)
 
     # ----- vLLM's extra routes -----
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine loop is running (empty body)", "content": {}},
+                        **_error_docs(503)})
     async def health():
-        if not engine.is_healthy():
-            return error_response(503, "the engine loop is not running")
+        problem = engine.health_problem()
+        if problem is not None:
+            return error_response(503, problem)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(generate_latest(engine.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **errors(400, 404, 413, 500)})
     async def tokenize(req: TokenizeRequest):
-        check_model(req.model)
-        fields = set(TokenizeRequest.model_fields)
-        if req.messages is not None:
-            ids = parse(fields, lambda: encode_messages(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs))
-        else:
-            add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = tokenizer(req.prompt, add_special_tokens=add_special)["input_ids"]
-        body = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
-        if req.return_token_strs:
-            body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-        return body
+        return await tokenization.tokenize(req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **errors(400, 404, 413, 500)})
     async def detokenize(req: DetokenizeRequest):
-        check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"tokens: {bad[:5]} are outside the vocabulary [0, {vocab_size})", "tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return await tokenization.detokenize(req)
 
+    def openapi() -> dict:
+        """FastAPI's document, less the 422 it adds to every route with a body: validation errors are 400s."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema["paths"].values():
+                for op in operations.values():
+                    op["responses"].pop("422", None)
+                    if api_key and "401" in op["responses"]:
+                        op["security"] = [{"apiKey": []}]
+            components = schema.setdefault("components", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.get("schemas", {}).pop(name, None)
+            if api_key:
+                components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
@@ -375,22 +264,97 @@ def engine_config_from_args(args) -> EngineConfig:
     return config
 
 
-def run_server(args) -> None:
-    """Load the model from argparse `args` (`qwen4exp serve`, entrypoints/cli.py) and serve until interrupted."""
-    import uvicorn
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template's template: the file it names, else the value itself when it reads as a template."""
+    if value is None:
+        return None
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"chat_template: {value!r} looks like a file path but cannot be read: {e}") from None
+        return value
 
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own signal handling: `serve` drains the engine first, and uvicorn would
+    re-raise the signal after its shutdown (the process would die by it, skipping ours)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, shutdown_timeout: float,
+                log_level: str = "info") -> None:
+    """Serves until SIGTERM or SIGINT, then shuts down within `shutdown_timeout` seconds (+ a grace of 2 s for
+    the last responses to go out): stop accepting, let the running requests finish until the timeout, end the rest
+    with finish_reason "abort". A second signal exits at once (status 128 + the signal)."""
+    # the grace lets the responses of the requests aborted at the timeout reach their clients
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + 2)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(sig: int) -> None:
+        name = signal.Signals(sig).name
+        if stop.is_set():
+            logger.warning("%s again: exiting now", name)
+            if app.state.render_pool is not None:
+                app.state.render_pool.kill()
+            os._exit(128 + sig)
+        logger.info("%s: shutting down (in-flight requests get up to %g s)", name, shutdown_timeout)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        serving = asyncio.ensure_future(server.serve())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not serving.done():
+            async_engine.drain()
+            server.should_exit = True  # uvicorn stops accepting and waits for the open responses
+            await _finish_or_abort(async_engine, shutdown_timeout)
+        await serving
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _finish_or_abort(async_engine: AsyncEngine, timeout: float) -> None:
+    running = async_engine.num_unfinished
+    deadline = time.monotonic() + timeout
+    while async_engine.num_unfinished and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    aborted = await async_engine.abort_all() if async_engine.num_unfinished else 0
+    logger.info("%d of %d in-flight requests finished, %d aborted", running - aborted, running, aborted)
+
+
+def run_server(args) -> None:
+    """Load the model from argparse `args` (`qwen4exp serve`, entrypoints/cli.py) and serve until SIGTERM or
+    SIGINT; returns once the engine is stopped."""
     from ..engine.engine import LLMEngine
     from .default_model import resolve_model
 
     config = engine_config_from_args(args)
+    chat_template = load_chat_template(args.chat_template)  # a wrong path fails before the model loads
     model = resolve_model(args.model)
     llm_engine = LLMEngine(model, config)
     async_engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests).start()
-    name = (args.served_model_name or [model])[0]
-    app = build_app(async_engine, name, api_key=args.api_key, max_model_len=config.max_model_len,
-                    model_path=model)
-    logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", model, name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        name = (args.served_model_name or [model])[0]
+        app = build_app(async_engine, name, api_key=args.api_key, max_model_len=config.max_model_len,
+                        model_path=model, chat_template=chat_template,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout)
+        logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", model, name, args.host, args.port)
+        asyncio.run(serve(app, async_engine, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level))
     finally:
         async_engine.shutdown()
+    logger.info("engine stopped")
+

@@ -1,0 +1,259 @@
+"""What the OpenAI routes share: the error envelope, SSE responses, and OpenAIServing, the base of each route
+family (serving_completion.py, serving_chat.py, serving_tokenization.py), which turns prompts and messages into
+token ids in the render pool and requests into engine streams.
+
+Every client mistake is answered with a 4xx in the OpenAI error envelope {"error": {message, type, param, code}};
+only an engine failure is a 5xx. Prompts are bounded before they are tokenized: a text longer than max_model_len
+tokens can hold (the tokenizer's longest token, in characters, times max_model_len) is refused at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..engine.request import RequestOutput
+from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
+from .openai_format import Formatter
+from .protocol import ChatMessage, param_of
+from .render_pool import RenderError, RenderPool, RenderWorkerDied
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+# seconds a client should wait before it retries a 503 (a full queue drains in about that time)
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "param": param, "code": status,
+                      "type": ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def to_api_error(e: Exception, fields: set[str] = frozenset()) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (QueueFullError, EngineDeadError)):
+        return APIError(503, str(e))
+    if isinstance(e, (EngineStepError, RenderWorkerDied)):
+        return APIError(500, str(e))
+    if isinstance(e, (ValueError, TypeError)):  # SamplingParams, the engine's add_request, our own checks
+        return APIError(400, str(e), param_of(e, fields) if isinstance(e, ValueError) else None)
+    return APIError(500, f"{type(e).__name__}: {e}")
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_error(e: Exception) -> str:
+    err = to_api_error(e)
+    return sse(error_body(err.status, err.message, err.param))
+
+
+class SSEResponse(StreamingResponse):
+    """Runs `on_close` however the stream ends. Starlette drops the body iterator un-closed when the client
+    disconnects, and a request still waiting for its first token yields nothing that could notice; closing here
+    is what aborts it."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+async def merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of several requests; leaving early cancels (and so aborts) all of them."""
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[RequestOutput]):
+        try:
+            async for out in it:
+                await q.put((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            await q.put((i, e))
+        finally:
+            await q.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def run_until_disconnect(raw: Request, coro):
+    """Await `coro` unless the client goes away first; cancelling it aborts its requests."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected():
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise APIError(499, "client disconnected")
+    return work.result()
+
+
+def parse(fields: set[str], fn):
+    try:
+        return fn()
+    except ValueError as e:
+        raise to_api_error(e, fields) from None
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for: its vocabulary string's length (a byte-level token's string
+    has one character per byte, and a byte is at most one character of text)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, pool: RenderPool | None, served_model_name: str, max_model_len: int,
+                 chat_template: str | None = None, trust_request_chat_template: bool = False):
+        self.engine, self.pool = engine, pool
+        self.served_model_name, self.max_model_len = served_model_name, max_model_len
+        self.chat_template, self.trust_request_chat_template = chat_template, trust_request_chat_template
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model_config.vocab_size
+        self.fmt = Formatter(self.tokenizer)
+        per_token = max_chars_per_token(self.tokenizer) if self.tokenizer is not None else 0
+        self.max_prompt_chars = max_model_len * per_token
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    # ----- prompt length -----
+    def too_long(self, num_tokens: int, field: str) -> APIError:
+        return APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                             f"{field} has {num_tokens} tokens. Please reduce the length of the {field}.", field)
+
+    def check_chars(self, num_chars: int, field: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, your {field} "
+                     f"has {num_chars} characters, more than {self.max_model_len} tokens can hold (at most "
+                     f"{self.max_prompt_chars} characters). Please reduce the length of the {field}.", field)
+
+    def check_ids(self, ids: list[int], field: str) -> None:
+        if len(ids) > self.max_model_len:
+            raise self.too_long(len(ids), field)
+
+    # ----- the render pool -----
+    def _pool(self, field: str) -> RenderPool:
+        if self.pool is None:
+            raise APIError(400, f"{field}: the model has no tokenizer; send token ids", field)
+        return self.pool
+
+    async def encode(self, texts: list[str], add_special_tokens: bool, field: str) -> list[list[int]]:
+        """Token ids of texts that fit max_model_len tokens; a longer one is a 400 naming `field`."""
+        if not texts:
+            return []
+        for text in texts:
+            self.check_chars(len(text), field)
+        try:
+            encoded = await self._pool(field).encode(texts, add_special_tokens, self.max_model_len)
+        except RenderError as e:
+            raise APIError(400, f"{field}: could not be tokenized: {e}", field) from None
+        for ids in encoded:
+            if isinstance(ids, int):
+                raise self.too_long(ids, field)
+        return encoded
+
+    def template_for(self, template: str | None, kwargs: dict | None) -> str | None:
+        """The chat template a request renders with: its own (only with --trust-request-chat-template), else the
+        server's --chat-template, else (None) the tokenizer's."""
+        given = [(name, t) for name, t in (("chat_template", template),
+                                           ("chat_template_kwargs", (kwargs or {}).get("chat_template")))
+                 if t is not None]
+        if not given:
+            return self.chat_template
+        name, value = given[0]
+        if not self.trust_request_chat_template:
+            raise APIError(400, f"{name}: a chat template in the request is refused: the server runs the "
+                                f"checkpoint's or --chat-template's only (start it with "
+                                f"--trust-request-chat-template to allow request templates)", name)
+        if not isinstance(value, str):
+            raise APIError(400, f"{name}: the chat template must be a string", name)
+        return value
+
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None,
+                          kwargs: dict | None) -> list[int]:
+        """The token ids of the conversation as the chat template renders it."""
+        template = self.template_for(template, kwargs)
+        kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
+        conversation = parse({"messages"}, lambda: [m.for_template() for m in messages])
+        try:
+            ids = await self._pool("messages").render_chat(conversation, add_generation_prompt, template, kwargs,
+                                                           self.max_prompt_chars, self.max_model_len)
+        except RenderError as e:
+            raise APIError(400, f"messages: the chat template could not be applied: {e}", "messages") from None
+        if isinstance(ids, int):
+            raise self.too_long(ids, "messages")
+        return ids
+
+    # ----- engine requests -----
+    async def add_all(self, base_id: str, prompts: list, params, fields: set[str]) -> list[RequestStream]:
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(rid, prompt, params))
+        except BaseException as e:  # a later prompt failed or the client left: drop the ones already added
+            for s in streams:
+                self.engine.abort(s.request_id)
+            if isinstance(e, Exception):
+                raise to_api_error(e, fields) from None
+            raise
+        return streams
+
+    def abort_all(self, streams: list[RequestStream]) -> Callable[[], None]:
+        return lambda: [self.engine.abort(s.request_id) for s in streams if not s.finished]
+
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge([self.engine.stream_outputs(s) for s in streams]):
+                finals[i] = out
+        finally:  # cancelled (client gone) before every stream was even started: abort the rest here
+            self.abort_all(streams)()
+        return finals
