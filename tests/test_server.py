@@ -31,7 +31,7 @@ MAX_QUEUED = 2
 TASK_DIR = os.path.join(os.path.dirname(__file__), "data", "lmeval_task")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny"))
     make_random(path, "tiny", dtype="float32")
@@ -52,7 +52,7 @@ class Live:
                 and self.metric("qwen4exp:num_requests_waiting") == 0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def live(tiny_dir):
     engine = LLMEngine(tiny_dir, EngineConfig(**LIMITS, dtype="float32", device="cpu"))
     async_engine = AsyncEngine(engine, max_queued_requests=MAX_QUEUED).start()
@@ -70,12 +70,12 @@ def live(tiny_dir):
     async_engine.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(tiny_dir):
     return LLM(tiny_dir, dtype="float32", device="cpu", **LIMITS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(live):
     return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
 

@@ -10,10 +10,7 @@ from dataclasses import asdict
 from ..bench.cli import add_bench_parser
 from ..config import EngineConfig
 from .default_model import add_model_option, resolve_model
-
-# the server's default body limit (here so that `--help` imports no FastAPI): a prompt of 262,144 tokens sent as
-# token ids is about 1.8 MB of JSON, and parsing the worst 4 MiB body holds the event loop for about 0.1-0.5 s
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+from .protocol import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def _make_random(args) -> None:

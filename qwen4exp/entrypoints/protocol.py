@@ -18,6 +18,9 @@ from ..engine.request import SamplingParams
 
 # vLLM's default --max-logprobs: the top-k lists are built per token in Python, so k must stay small
 MAX_LOGPROBS = 20
+# the server's default body limit: a prompt of 262,144 tokens sent as token ids is about 1.8 MB of JSON, and parsing
+# the worst 4 MiB body holds the event loop for about 0.1-0.5 s
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 

@@ -31,8 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
 from .async_engine import AsyncEngine
-from .cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from .protocol import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,

@@ -11,8 +11,7 @@ from ..engine.request import RequestOutput
 from .async_engine import RequestStream
 from .openai_format import usage
 from .protocol import CompletionRequest
-from .serving_engine import OpenAIServing, SSEResponse, merge, parse, run_until_disconnect, sse, sse_error, \
-    to_api_error
+from .serving_engine import OpenAIServing, SSEResponse, merge, parse, run_until_disconnect, sse, sse_error, to_api_error
 
 _FIELDS = set(CompletionRequest.model_fields)
 

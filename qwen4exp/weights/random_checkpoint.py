@@ -17,7 +17,6 @@ import json
 import os
 
 import torch
-
 from torch import nn
 
 from ..config import QuantizationConfig, load_model_config
