@@ -274,3 +274,40 @@ def test_kernel_benchmark_variants_agree_at_tiny_widths(path, tmp_path, monkeypa
             if k.endswith("_diff") and row[k] is not None:
                 assert row[k] <= 1e-5, (row["case"], row["tokens"], k, row[k])
     assert "tokens" in capsys.readouterr().out
+
+
+# ---- fp8 ----
+
+def test_fp8_against_bf16_reports_agreement_and_perplexity_on_the_cpu():
+    """The agree_fp8 stage's comparison, on the CPU: the same weights in bf16 and quantized to fp8 on load give
+    finite logits, every position counted, and an fp8 perplexity close to bf16's."""
+    from qwen4exp.bench.engines import preset_model_config
+    from qwen4exp.bench.fp8_stages import fp8_against_bf16
+    from qwen4exp.config import EngineConfig
+    from qwen4exp.engine.engine import LLMEngine
+    from qwen4exp.model.merged_linear import named_checkpoint_tensors
+
+    cfg = preset_model_config("small", dtype="float32")
+    dummy = LLMEngine(None, EngineConfig(max_model_len=1024, num_pages=80, max_num_seqs=1, dtype="float32",
+                                         device="cpu", load_format="dummy"), model_config=cfg, tokenizer=None)
+    weights = {t.name: t.tensor.clone() for t in named_checkpoint_tensors(dummy.model)}
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(10, cfg.vocab_size, (64,), generator=g).tolist() for _ in range(2)]
+    r = fp8_against_bf16(cfg, weights, seqs, torch.device("cpu"))
+    assert r["positions"] == 126 and r["bf16_nonfinite"] == r["fp8_nonfinite"] == 0
+    assert 0.7 <= r["fp8_vs_bf16_top1_agreement"] < 1.0  # random weights: near ties flip, most do not
+    assert abs(r["perplexity_fp8_over_bf16"] - 1) < 0.05
+
+
+def test_the_page_reports_the_fp8_stages_when_the_results_hold_them():
+    from qwen4exp.bench.report import render
+
+    with open(os.path.join(DOCS, "benchmarks_results.json")) as f:
+        results = json.load(f)
+    flash = {"preset": "flash-next", "engine": {"max_model_len": 32768, "max_num_seqs": 32}, "startup_s": 250.0,
+             "gpu_weights_GiB": 119.0, "decode_b1_tok_s": 210.0, "concurrency_32_tok_s": 1300.0,
+             "prefill_8k_tok_s": 15000.0, "max_concurrent_at_max_model_len": 9, "cache_pages": 19000,
+             "page_size": 16}
+    page = render(results | {"flash_next": flash}, "benchmarks_results.json")
+    assert "| batch-1 decode (128 in / 128 out), tok/s | >= 200 | **210.0** |" in page
+    assert "## The released shape in fp8 on one GPU" not in render(results, "benchmarks_results.json")

@@ -10,15 +10,17 @@ from ..engine.engine import LLMEngine
 from ..engine.step_builder import RequestChunk
 
 
-def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: int = 256) -> dict:
+def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: int = 256,
+                   quantization: str | None = None) -> dict:
     """GPU bf16 (eager prefill of the first `prefill` tokens, then one token per step: CUDA-graph decode) against the
     CPU fp32 reference on the same weights, top-1 under teacher forcing at every position of every sequence. Also
-    the CPU's bf16 engine against the same reference (how close bf16 arithmetic itself gets to fp32 on this model)."""
+    the CPU's bf16 engine against the same reference (how close bf16 arithmetic itself gets to fp32 on this model).
+    `quantization="fp8"`: every engine quantizes the weights to fp8 on load (the CPU's runs the fp8 reference)."""
     def engine(dtype, dev, w, **kw):
         # a small step budget: the GPU engine's warm-up compiles prefill shapes up to it, and the longest step here
         # is one whole sequence on the CPU
         ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
-                            dtype=dtype, device=str(dev), **kw)
+                            dtype=dtype, device=str(dev), quantization=quantization, **kw)
         return LLMEngine(None, ecfg, model_config=cfg, tokenizer=None, weights=iter(w.items()))
 
     cpu = engine("float32", "cpu", weights, num_pages=300)

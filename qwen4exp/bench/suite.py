@@ -11,6 +11,8 @@ command, commit and versions that produced them, so stages may also run in separ
   throughput_cli  the 64-request run (1k in / 256 out) as `qwen4exp bench throughput` runs it, one fresh process a run.
   table_on_host   the released-size n-gram table (base 20,000,000, fp8: 51.2 GB) in page-locked host memory vs in
                   GPU memory: batch-1 decode, 64 concurrent requests, one layer's row gather; engines built in turn.
+  fp8_128e, flash_next, agree_fp8   block-scaled fp8 (bench/fp8_stages.py): flash-next-128e in fp8 against bf16,
+                  the released shape in fp8 on one GPU, and fp8's agreement with bf16 and with its CPU reference.
   report          docs/benchmarks.md and the concurrency plot from the results JSON (CPU only).
 """
 
@@ -28,7 +30,8 @@ import traceback
 
 # the default order: training before the suite's engine holds the GPU's memory, the stages that start engines of
 # their own (in this process or others) after it is freed
-STAGES = ("agree_trained", "ours", "hf", "throughput_cli", "table_on_host", "report")
+STAGES = ("agree_trained", "agree_fp8", "ours", "hf", "throughput_cli", "table_on_host", "fp8_128e", "flash_next",
+          "report")
 DEFAULT_STAGES = ",".join(STAGES)
 RESULTS_NAME = "benchmarks_results.json"
 
@@ -311,7 +314,7 @@ def canonical_command(args, stages: list[str]) -> str:
     parts = ["qwen4exp bench suite", "--stages", ",".join(stages)]
     if args.quick:
         parts.append("--quick")
-    if "agree_trained" in stages:
+    if "agree_trained" in stages or "agree_fp8" in stages:
         for flag, value, default in (("--train-steps", args.train_steps, 3000),
                                      ("--train-seconds", args.train_seconds, 130),
                                      ("--train-chars", args.train_chars, 12_000_000)):
@@ -367,6 +370,7 @@ def parse_stages(text: str) -> list[str]:
 
 
 def run(args) -> dict:
+    from . import fp8_stages
     from .report import write_report
 
     stages = parse_stages(args.stages)
@@ -414,6 +418,13 @@ def run(args) -> dict:
                 stage_throughput_cli(results)
             elif stage == "table_on_host":
                 stage_table_on_host(results, device)
+            elif stage == "fp8_128e":
+                fp8_stages.stage_fp8_128e(results, device, log)
+            elif stage == "flash_next":
+                fp8_stages.stage_flash_next(results, device, log)
+            elif stage == "agree_fp8":
+                fp8_stages.stage_agree_fp8(results, device, args.train_steps, args.train_seconds, args.train_chars,
+                                           log)
             results.setdefault("errors", {}).pop(stage, None)
         except Exception:
             results.setdefault("errors", {})[stage] = traceback.format_exc()

@@ -13,7 +13,10 @@ import logging
 import torch
 
 from ..config import ConfigError, EngineConfig, ModelConfig
+from ..memory import DeviceMemory, MemoryPlan, plan_cache, weights_by_dtype
 from ..model.state import ModelCache, allocate_cache, page_bytes, slot_bytes
+from ..weights.loader import table_names
+from ..weights.ngram_table import on_host
 
 logger = logging.getLogger("qwen4exp")
 
@@ -81,39 +84,40 @@ def resolve_page_size(model_config: ModelConfig, page_size: int | None) -> int:
     return page_size
 
 
-def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype,
-                          device) -> tuple[CacheAllocator, ModelCache]:
+def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, device,
+                          model: torch.nn.Module | None = None) -> tuple[CacheAllocator, ModelCache]:
     """The cache tensors, as many pages as the memory budget holds (or `num_pages`) and max_num_seqs + 1 slots,
-    with their allocator."""
+    with their allocator; logs the memory plan (`qwen4exp.memory`, with the weights of `model` when given)."""
     c, e = model_config, engine_config
+    device = torch.device(device)
     page_size = resolve_page_size(c, e.page_size)
-    per_page = max(page_bytes(c, page_size, dtype), 1)
-    per_slot = max(slot_bytes(c, dtype), 1)
-    num_slots = e.max_num_seqs + 1
-    if e.num_pages is not None:
-        num_pages = e.num_pages
-    else:
-        budget = _memory_budget(e, device) - num_slots * per_slot
-        num_pages = budget // per_page
-    pages_per_seq = -(-e.max_model_len // page_size)
-    if num_pages - 1 < pages_per_seq:
-        raise ValueError(
-            f"the cache budget holds {max(num_pages - 1, 0)} pages of {page_size} tokens but one request of "
-            f"max_model_len={e.max_model_len} needs {pages_per_seq}; raise the memory budget or lower max_model_len"
-        )
-    allocator = CacheAllocator(int(num_pages), num_slots, page_size)
-    tensors = allocate_cache(c, int(num_pages), page_size, num_slots, dtype, device)
+    plan = MemoryPlan(str(device), e.cpu_cache_bytes, page_size, max(page_bytes(c, page_size, dtype), 1),
+                      max(slot_bytes(c, dtype), 1), e.max_num_seqs + 1, e.max_model_len, e.max_num_seqs)
+    hints = []
+    if device.type == "cuda":
+        memory = DeviceMemory.measure(device, e.gpu_memory_utilization)
+        plan.budget = memory.budget
+        plan.reserve = memory.total - int(memory.total * memory.utilization)
+        if memory.utilization < 0.95:
+            hints.append("--gpu-memory-utilization 0.95")
+    if model is not None:
+        tables = set(table_names(model))
+        plan.weights = weights_by_dtype(model, device, skip=tables)
+        table_params = [p for n, p in model.named_parameters() if n in tables]
+        if table_params:
+            where = "host memory" if on_host(table_params[0]) else str(device)
+            plan.tables = (sum(p.numel() * p.element_size() for p in table_params),
+                           f"{where}, {str(table_params[0].dtype).removeprefix('torch.')}")
+            if device.type == "cuda" and not on_host(table_params[0]):
+                hints.append("--ple-table-device cpu")
+        if device.type == "cuda" and "float8_e4m3fn" not in plan.weights:
+            hints.append("--quantization fp8")
+    plan_cache(plan, e.num_pages, tuple(hints))
+    allocator = CacheAllocator(plan.num_pages, plan.num_slots, page_size)
+    tensors = allocate_cache(c, plan.num_pages, page_size, plan.num_slots, dtype, device)
     logger.info(
         "KV cache: %d pages = %d tokens, %d state slots", allocator.pages.num_usable,
         allocator.pages.num_usable * page_size, allocator.slots.num_usable,
     )
+    logger.info("\n".join(plan.lines()))
     return allocator, tensors
-
-
-def _memory_budget(e: EngineConfig, device) -> int:
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        return max(int(total * e.gpu_memory_utilization) - used, 0)
-    return e.cpu_cache_bytes

@@ -3,6 +3,7 @@ complete (read the samples; output_processor.py turns them into RequestOutputs),
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config, resolve_device
+from ..memory import InsufficientMemoryError
 from ..weights.loader import load_model
 from .cache import allocate_engine_cache, resolve_page_size
 from .metrics import EngineMetrics
@@ -79,7 +81,7 @@ class LLMEngine:
         # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's); the
         # page size follows the model unless given
         self.config = dataclasses.replace(self.config, page_size=resolve_page_size(mc, self.config.page_size))
-        self.cache, cache_tensors = allocate_engine_cache(mc, self.config, self.dtype, self.device)
+        self.cache, cache_tensors = allocate_engine_cache(mc, self.config, self.dtype, self.device, self.model)
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -88,7 +90,8 @@ class LLMEngine:
             graphs = CUDAGraphRunner(self.model, cache_tensors, self.config.page_size, self.config.max_model_len,
                                      self.config.max_num_seqs, self.device, self.config.cuda_graph_sizes,
                                      self.config.max_num_batched_tokens)
-            graphs.capture()
+            with _out_of_memory_as_error("capturing CUDA graphs", self.config):
+                graphs.capture()
         self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
@@ -99,7 +102,12 @@ class LLMEngine:
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _Launched | None = None  # the launched step whose samples are not read yet
         if self.device.type == "cuda":
-            warm_up(self)
+            with _out_of_memory_as_error("warming up", self.config):
+                warm_up(self)
+            logger.info("memory after the warm-up: %.1f GiB allocated at the peak, %.1f GiB reserved by the allocator "
+                        "(of %.1f GiB)", torch.cuda.max_memory_allocated(self.device) / 2**30,
+                        torch.cuda.memory_reserved(self.device) / 2**30,
+                        torch.cuda.get_device_properties(self.device).total_memory / 2**30)
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -281,6 +289,21 @@ class LLMEngine:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.cache_usage.set(self.cache.usage)
+
+
+@contextlib.contextmanager
+def _out_of_memory_as_error(what: str, config: EngineConfig):
+    """A CUDA out-of-memory error while `what` as one message that says what to change: activations and CUDA graph
+    pools live in what gpu_memory_utilization leaves of the device."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        raise InsufficientMemoryError(
+            f"out of GPU memory while {what}: activations and CUDA graphs live in the "
+            f"{1 - config.gpu_memory_utilization:.0%} of the device that --gpu-memory-utilization "
+            f"{config.gpu_memory_utilization} leaves; try a lower "
+            f"--max-num-batched-tokens (now {config.max_num_batched_tokens}), a lower --gpu-memory-utilization, fewer "
+            f"--cuda-graph-sizes or --enforce-eager ({str(e).splitlines()[0]})") from None
 
 
 def _load_tokenizer(model_dir: str | None):

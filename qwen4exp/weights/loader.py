@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from .. import ops
 from ..config import ModelConfig
+from ..memory import DeviceMemory, check_weights_fit
 from ..model import Qwen4ExpForCausalLM
 from ..model.merged_linear import (
     TensorShapeError,
@@ -514,6 +515,24 @@ def _weight_bytes(model: Qwen4ExpForCausalLM, dtype: torch.dtype, table_dtype: t
     return table, other
 
 
+def _fp8_bytes(model: Qwen4ExpForCausalLM, dtype: torch.dtype) -> int:
+    """About the bytes of every weight but the n-gram tables if `--quantization fp8` quantized the quantizable ones:
+    one byte a value plus a 4-byte scale per 128 x 128 block (padding rows left out)."""
+    quantizable = set(quantizable_weights(model))
+    tables = set(table_names(model))
+    size = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for t in named_checkpoint_tensors(model):
+        n = t.tensor.numel()
+        if t.name in tables:
+            continue
+        if t.name in quantizable:
+            total += n + 4 * -(-n // (128 * 128))
+        else:
+            total += n * (t.tensor.element_size() if t.tensor.dtype == FP8 or t.name.endswith(SCALE) else size)
+    return total
+
+
 def load_model(
     config: ModelConfig,
     model_dir: str | None,
@@ -558,8 +577,12 @@ def load_model(
     use_fp8_(meta, fp8)
     if fp8:
         logger.info("%d of %d quantizable weights in block-scaled fp8", len(fp8), len(quantizable_weights(meta)))
+    table_bytes, other_bytes = _weight_bytes(meta, dtype, table_dtype)
     on_host = bool(config.ple_layer_ids) and resolve_table_on_host(
-        ple_table_device, device, *_weight_bytes(meta, dtype, table_dtype), gpu_memory_utilization)
+        ple_table_device, device, table_bytes, other_bytes, gpu_memory_utilization)
+    if device.type == "cuda":
+        check_weights_fit(DeviceMemory.measure(device, gpu_memory_utilization), other_bytes, table_bytes, not on_host,
+                          None if fp8 else _fp8_bytes(meta, dtype))
     model = build_model(config, dtype, device, on_host, table_dtype, model=meta)
     tables = table_names(model)
     if load_format == "dummy":
