@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
 import queue
@@ -27,6 +29,17 @@ from ..engine.engine import LLMEngine
 from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger("qwen4exp")
+
+
+def _heap_trimmer():
+    """glibc's malloc_trim, or None elsewhere. Freed request memory (tokenized prompts, outputs, step tensors) stays
+    in glibc's per-thread arenas, so a server's RSS creeps up under load even though nothing leaks (about 25 MiB
+    over 2,000 requests of the soak benchmark); trimming when the engine goes idle hands it back."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
 
 
 class QueueFullError(RuntimeError):
@@ -216,17 +229,22 @@ class AsyncEngine:
     # ----- the engine thread -----
     def _run(self) -> None:
         logger.info("engine loop started")
+        trim, worked = _heap_trimmer(), False
         while not self._stopping:
             self.heartbeat = time.monotonic()
             try:
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    worked = True
                     continue
             except Exception:  # bookkeeping bugs must not end the loop: log and keep serving
                 logger.exception("engine loop error")
-            self._wake.wait(self.idle_wait_s)
+            woken = self._wake.wait(self.idle_wait_s)
             self._wake.clear()
+            if not woken and worked and trim is not None:
+                trim(0)  # idle for idle_wait_s after work: the few ms it takes delay no request
+                worked = False
         dead = EngineDeadError("the engine is shutting down")
         self._fail_all(dead)
         while True:  # adds that arrived too late would otherwise wait forever
