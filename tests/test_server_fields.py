@@ -153,6 +153,8 @@ def test_truncate_prompt_tokens_equals_sending_the_truncated_prompt(live, refere
             got = completion(prompt, truncate_prompt_tokens=10, truncation_side=side)
             assert got["usage"] == want["usage"] and got["usage"]["prompt_tokens"] == 10
             assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    echoed = completion(text, truncate_prompt_tokens=10, echo=True)["choices"][0]["text"]
+    assert echoed == tok.decode(ids[-10:]) + completion(ids[-10:])["choices"][0]["text"]
     # -1: as many as max_model_len allows, leaving room for one token, however long the prompt
     long = [5, 6, 7] * MAX_LEN
     got = completion(long, truncate_prompt_tokens=-1, max_tokens=1)

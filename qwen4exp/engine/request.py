@@ -41,7 +41,7 @@ class SamplingParams:
     # rest of it (generated tokens only, as vLLM)
     bad_words: list[str] | None = None
     detokenize: bool = True
-    # bad_words as token ids (`bad_words_token_ids`); the engine fills it from its tokenizer when it is None
+    # bad_words as token id sequences (see bad_words_token_ids); the engine fills it from its tokenizer when None
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:

@@ -2,10 +2,9 @@
 
 Order per row: logprobs are taken from the raw logits (vLLM's default `raw_logprobs`); then the tokens a request may
 not sample are masked (outside allowed_token_ids, bad words), then logit_bias and min_tokens masking, repetition /
-frequency / presence penalties; greedy rows take the argmax; the rest are divided
-by the temperature, filtered by min_p, top_k and top_p, and sampled with the exponential race
-argmax(p / q), q ~ Exp(1). A request with a seed draws q from its own generator, so its tokens do not depend on
-what else is in the batch.
+frequency / presence penalties; greedy rows take the argmax; the rest are divided by the temperature, filtered by
+min_p, top_k and top_p, and sampled with the exponential race argmax(p / q), q ~ Exp(1). A request with a seed
+draws q from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Requests are validated strictly: a boolean, an integer or a token id must arrive
 RequestError (a ValueError) whose `param` names the offending field, so the server can answer 400. Every field
 vLLM 0.33 accepts is a field here: it works, or it has no effect on what a single engine generates (user, metadata,
 cache_salt...), or a value other than its default is refused with a 400 that says why (`UNSUPPORTED`). Fields
-neither model knows are logged once by name and have no effect, as in vLLM. Responses are plain dicts built by the
+vLLM does not know either have no effect and are logged once by name. Responses are plain dicts built by the
 serving modules; their models here only document them.
 """
 
@@ -210,7 +210,7 @@ class _SamplingRequest(RequestModel):
 
     @model_validator(mode="after")
     def _check_vllm_rules(self):
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise RequestError("stream_options: only allowed when stream is true", "stream_options")
         salt = self.cache_salt
         if salt is not None and (not salt or len(salt) > 128 or any(c in salt for c in "@/\\\0")):

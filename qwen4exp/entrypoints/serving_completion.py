@@ -29,7 +29,9 @@ class ServingCompletion(OpenAIServing):
             self.check_ids(p, "prompt")
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await self.encode(texts, req.add_special_tokens, "prompt", truncate))
-        inputs = [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
+        # a truncated text is no longer the prompt: its echo is the kept tokens' text
+        inputs = [p if not isinstance(p, str) else {"prompt_token_ids": next(encoded)} if truncate is not None
+                  else {"prompt": p, "prompt_token_ids": next(encoded)} for p in prompts]
         if params.bad_words:
             params.bad_words_token_ids = await self.bad_words_ids(params.bad_words)
         request_id, created = self.response_id("cmpl", raw, req.request_id), int(time.time())
