@@ -11,13 +11,27 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config, resolve_device
+from ..config import (
+    EngineConfig,
+    ModelConfig,
+    default_max_num_batched_tokens,
+    generation_defaults,
+    load_model_config,
+    resolve_device,
+)
 from ..memory import InsufficientMemoryError
 from ..weights.loader import load_model
 from .cache import allocate_engine_cache, resolve_page_size
 from .metrics import EngineMetrics
 from .output_processor import OutputProcessor, ParentRequest
-from .request import Request, RequestOutput, RequestStatus, SamplingParams
+from .request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    bad_word_variants,
+    bad_words_token_ids,
+)
 from .runner import ModelRunner
 from .sampler import SampledBatch, Sampler, reads_history
 from .scheduler import Scheduler, SchedulerOutput
@@ -81,7 +95,9 @@ class LLMEngine:
         # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's); the
         # page size follows the model unless given
         self.config = dataclasses.replace(self.config, page_size=resolve_page_size(mc, self.config.page_size))
-        self.cache, cache_tensors = allocate_engine_cache(mc, self.config, self.dtype, self.device, self.model)
+        self.cache, cache_tensors, max_model_len = allocate_engine_cache(mc, self.config, self.dtype, self.device,
+                                                                         self.model)
+        self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -95,6 +111,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
+        # the sampling defaults of requests that leave them unset (vLLM's get_diff_sampling_param)
+        self.generation_defaults = generation_defaults(model, self.config.generation_config,
+                                                       self.config.override_generation_config)
         self.eos_token_ids = list(mc.stop_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.config.max_model_len,
                                                 EngineMetrics())
@@ -125,10 +144,21 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: the model has no tokenizer; pass bad_words_token_ids")
+            params.bad_words_token_ids = bad_words_token_ids(
+                [self.tokenizer.encode(t, add_special_tokens=False) for t in bad_word_variants(params.bad_words)])
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for word in params.bad_words_token_ids or () for t in word if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"bad_words: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         limit = self.config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:

@@ -130,6 +130,10 @@ class AsyncEngine:
     def config(self):
         return self.engine.config
 
+    @property
+    def generation_defaults(self) -> dict:
+        return self.engine.generation_defaults
+
     # ----- lifecycle -----
     def start(self) -> AsyncEngine:
         if self._thread is None or not self._thread.is_alive():

@@ -67,7 +67,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name clients pass as `model` (default: the model path); the first one is used")
+                   help="names clients may pass as `model` (default: the model path); /v1/models lists them all and "
+                        "responses carry the first")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health and /metrics")
     p.add_argument("--max-queued-requests", type=_non_negative_int, default=None,
@@ -79,6 +80,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (`chat_template`, or `chat_template` in "
                         "`chat_template_kwargs`); without it they are refused with a 400")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="write logprob tokens as 'token_id:{id}' unless a request's return_tokens_as_token_ids says "
+                        "otherwise")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every request with an X-Request-Id header: the request's own, else a random one")
     p.add_argument("--renderer-num-workers", type=_positive_int, default=2,
                    help="processes that render chat templates and tokenize (default: %(default)s)")
     p.add_argument("--renderer-timeout", type=_positive_float, default=30.0,

@@ -9,6 +9,7 @@ from dataclasses import fields
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
 from ..engine.request import RequestOutput, SamplingParams
+from .protocol import text_of_parts
 
 
 class LLM:
@@ -28,6 +29,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the generation config's defaults
+        (`generation_config`, `override_generation_config`) over SamplingParams'."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def generate(
         self,
         prompts,
@@ -37,7 +43,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: must be one SamplingParams or one per prompt")
         ids = []
@@ -53,8 +59,11 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """`messages` is one conversation (list of {"role", "content"}) or a list of conversations."""
+        """`messages` is one conversation (list of {"role", "content"}) or a list of conversations; a content may be
+        a list of text parts ({"type": "text", "text": ...}), joined by newlines as the server does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [[{**m, "content": text_of_parts(m["content"], "messages")}
+                          if isinstance(m.get("content"), list) else m for m in conv] for conv in conversations]
         tok = self.get_tokenizer()
         prompts = [
             {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,

@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import time
+import uuid
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -41,6 +42,7 @@ from .protocol import (
     DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    RequestError,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -72,6 +74,26 @@ class _APIKeyMiddleware:
                     & (scheme.lower() == b"bearer")):
                 return await error_response(401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _RequestIdHeaderMiddleware:
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new random one (as
+    vLLM's middleware)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _BodyLimitMiddleware:
@@ -131,17 +153,21 @@ def _streamed(model, what: str) -> dict:
                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
               max_model_len: int | None = None, model_path: str | None = None, *, chat_template: str | None = None,
               trust_request_chat_template: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, renderer_num_workers: int = 2,
-              renderer_timeout: float = 30.0) -> FastAPI:
-    """The app over a started AsyncEngine. Its render pool's processes start here and stop with the app's
-    lifespan (uvicorn's shutdown, or leaving a TestClient)."""
+              renderer_timeout: float = 30.0, return_tokens_as_token_ids: bool = False,
+              enable_request_id_headers: bool = False) -> FastAPI:
+    """The app over a started AsyncEngine. Every name of `served_model_name` is accepted as `model`, and the first
+    is the one responses carry. Its render pool's processes start here and stop with the app's lifespan (uvicorn's
+    shutdown, or leaving a TestClient)."""
     engine = async_engine
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     max_model_len = max_model_len or engine.config.max_model_len
     pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
-    args = (engine, pool, served_model_name, max_model_len, chat_template, trust_request_chat_template)
+    args = (engine, pool, names, max_model_len, chat_template, trust_request_chat_template,
+            return_tokens_as_token_ids)
     completion, chat, tokenization = ServingCompletion(*args), ServingChat(*args), ServingTokenization(*args)
 
     @contextlib.asynccontextmanager
@@ -155,6 +181,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     app = FastAPI(title="qwen4exp OpenAI-compatible server", lifespan=lifespan)
     app.state.render_pool = pool
     app.add_middleware(_BodyLimitMiddleware, limit=max_request_body_bytes)
+    if enable_request_id_headers:
+        app.add_middleware(_RequestIdHeaderMiddleware)
     if api_key:  # added last, so it runs first: no body is read for a request without the key
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
     work = 401 if api_key else None
@@ -175,6 +203,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             return error_response(400, f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, RequestError):  # a rule between fields (protocol.py): its own message and field
+            return error_response(400, str(cause), cause.param)
         msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}"
                         for err in errs[:5])
         return error_response(400, msg, loc[0] if loc else None)
@@ -193,10 +224,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @v1.get("/models", responses={200: {"model": ModelList}, **errors()})
     async def models():
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "qwen4exp",
-            "root": model_path or served_model_name, "parent": None, "max_model_len": max_model_len,
-            "permission": [],
-        }]}
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "qwen4exp",
+            "root": model_path or names[0], "parent": None, "max_model_len": max_model_len, "permission": [],
+        } for name in names]}
 
     @v1.post("/completions", responses={**_streamed(CompletionResponse, "The completion"),
                                         **errors(400, 404, 413, 500, 503)})
@@ -346,13 +376,16 @@ def run_server(args) -> None:
     llm_engine = LLMEngine(model, config)
     async_engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests).start()
     try:
-        name = (args.served_model_name or [model])[0]
-        app = build_app(async_engine, name, api_key=args.api_key, max_model_len=config.max_model_len,
+        names = args.served_model_name or [model]
+        app = build_app(async_engine, names, api_key=args.api_key, max_model_len=llm_engine.config.max_model_len,
                         model_path=model, chat_template=chat_template,
                         trust_request_chat_template=args.trust_request_chat_template,
                         max_request_body_bytes=args.max_request_body_bytes,
-                        renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout)
-        logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", model, name, args.host, args.port)
+                        renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        enable_request_id_headers=args.enable_request_id_headers)
+        logger.info("serving %s as %s on http://%s:%d (OpenAI API under /v1)", model,
+                    ", ".join(map(repr, names)), args.host, args.port)
         asyncio.run(serve(app, async_engine, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level))
     finally:
         async_engine.shutdown()
