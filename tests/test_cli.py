@@ -3,8 +3,11 @@ default random-weight model that `qwen4exp generate` and `qwen4exp serve` build 
 
 import argparse
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import fields
 
 import pytest
@@ -162,5 +165,40 @@ def test_python_m_qwen4exp_generate_builds_the_default_model_once(tmp_path):
     assert os.listdir(tmp_path / "cache") == ["tiny-random"]
     assert config.stat().st_mtime_ns == built
     path = str(tmp_path / "cache" / "tiny-random")
-    assert f"built a random-weight tiny model in {path} (its output is gibberish)" in runs[0].stderr
+    # vLLM's log format: level, month-day time, [file:line], message
+    assert re.search(rf"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[default_model\.py:\d+\] no model given: built a "
+                     rf"random-weight tiny model in {re.escape(path)} \(its output is gibberish\)", runs[0].stderr,
+                     re.MULTILINE), runs[0].stderr
     assert f"using the random-weight tiny model in {path}" in runs[1].stderr
+
+
+def test_version(capsys):
+    import qwen4exp
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"{qwen4exp.__version__}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", qwen4exp.__version__)
+
+
+def test_serve_on_a_port_in_use_fails_at_once_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import qwen4exp.entrypoints.server  # noqa: F401 - imported ahead, so that the timing is serve's own
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setenv("QWEN4EXP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("qwen4exp.engine.engine.LLMEngine.__init__", load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--host", "127.0.0.1", "--port", str(port)])
+        elapsed = time.monotonic() - start
+    assert e.value.code == 2 and elapsed < 1.0
+    err = capsys.readouterr().err
+    assert "--port" in err and f"127.0.0.1:{port}" in err and "in use" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []  # not even the default model was built

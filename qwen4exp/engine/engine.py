@@ -75,8 +75,11 @@ class LLMEngine:
         weights=None,
         tokenizer=None,
         model_config: ModelConfig | None = None,
+        served_model_name: str | None = None,
     ):
+        """served_model_name: the `model_name` label of the metrics (default: the model path)."""
         self.config = engine_config or EngineConfig()
+        self.served_model_name = served_model_name or model or "qwen4exp"
         self.device = resolve_device(self.config.device)
         self.model_config = model_config or load_model_config(model)
         mc = self.model_config
@@ -116,7 +119,7 @@ class LLMEngine:
                                                        self.config.override_generation_config)
         self.eos_token_ids = list(mc.stop_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.config.max_model_len,
-                                                EngineMetrics())
+                                                self._new_metrics())
         async_scheduling = self.config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _Launched | None = None  # the launched step whose samples are not read yet
@@ -132,8 +135,17 @@ class LLMEngine:
     def metrics(self) -> EngineMetrics:
         return self.output_processor.metrics
 
-    def reset_metrics(self) -> None:
-        self.output_processor.metrics = EngineMetrics()
+    def reset_metrics(self, served_model_name: str | None = None) -> None:
+        """Starts the metrics from zero, labelled with `served_model_name` when given."""
+        self.served_model_name = served_model_name or self.served_model_name
+        self.output_processor.metrics = self._new_metrics()
+
+    def _new_metrics(self) -> EngineMetrics:
+        c = self.config
+        cache_info = {"block_size": str(c.page_size), "cache_dtype": "auto", "enable_prefix_caching": "False",
+                      "gpu_memory_utilization": str(c.gpu_memory_utilization),
+                      "num_gpu_blocks": str(self.cache.pages.num_usable)}
+        return EngineMetrics(self.served_model_name, c.max_model_len, cache_info)
 
     # ----- requests -----
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,

@@ -190,6 +190,10 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # the phases of the request (time.monotonic(), as arrival_time), for the metrics: queued by the scheduler, first
+    # scheduled (a preempted request's later admissions do not move it), first and latest token read by the host
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
 

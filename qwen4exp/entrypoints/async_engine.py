@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..engine.engine import LLMEngine
+from ..engine.metrics import StatsLogger
 from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger("qwen4exp")
@@ -104,8 +105,11 @@ class _AbortAll:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None, health_timeout_s: float = 60.0,
-                 idle_wait_s: float = 0.5):
+                 idle_wait_s: float = 0.5, log_stats: bool = False, log_stats_interval: float = 10.0):
+        """log_stats: log vLLM's stats line (throughput, running and waiting requests, cache usage) every
+        `log_stats_interval` seconds from the engine loop."""
         self.engine = engine
+        self._stats = StatsLogger(engine, log_stats_interval) if log_stats else None
         self.max_queued_requests = max_queued_requests
         # a step longer than this (a huge prefill on a slow device) would read as a hung loop
         self.health_timeout_s = health_timeout_s
@@ -235,8 +239,10 @@ class AsyncEngine:
         logger.info("engine loop started")
         trim, worked = _heap_trimmer(), False
         while not self._stopping:
-            self.heartbeat = time.monotonic()
+            self.heartbeat = now = time.monotonic()
             try:
+                if self._stats is not None:
+                    self._stats.maybe_log(now)
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     self._step()

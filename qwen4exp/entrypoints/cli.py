@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import asdict
 
+from .. import __version__
 from ..bench.cli import add_bench_parser
 from ..config import EngineConfig
+from ..logger import configure_logging
 from .default_model import add_model_option, resolve_model
 from .protocol import DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -95,6 +96,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "0 aborts them at once (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the stats line (throughput, running and waiting requests, KV cache usage) every "
+                        "$QWEN4EXP_LOG_STATS_INTERVAL seconds (default 10) while requests run")
     EngineConfig.add_cli_args(p)
 
 
@@ -114,6 +118,7 @@ def serve_main(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen4exp", description=__doc__)
+    p.add_argument("-v", "--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
 
     mr = sub.add_parser("make-random", help="write a random-weight checkpoint")
@@ -143,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

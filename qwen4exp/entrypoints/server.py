@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 import uuid
 
@@ -30,7 +31,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
+from ..config import ConfigError, EngineConfig, default_max_num_batched_tokens, resolve_device
 from .async_engine import AsyncEngine
 from .protocol import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -160,10 +161,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api
               renderer_timeout: float = 30.0, return_tokens_as_token_ids: bool = False,
               enable_request_id_headers: bool = False) -> FastAPI:
     """The app over a started AsyncEngine. Every name of `served_model_name` is accepted as `model`, and the first
-    is the one responses carry. Its render pool's processes start here and stop with the app's lifespan (uvicorn's
-    shutdown, or leaving a TestClient)."""
+    is the one responses carry and the metrics' model_name label: an engine started under another name gets fresh
+    metrics (build the app before serving). Its render pool's processes start here and stop with the app's lifespan
+    (uvicorn's shutdown, or leaving a TestClient)."""
     engine = async_engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if engine.engine.served_model_name != names[0]:
+        engine.engine.reset_metrics(names[0])
     max_model_len = max_model_len or engine.config.max_model_len
     pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
     args = (engine, pool, names, max_model_len, chat_template, trust_request_chat_template,
@@ -316,14 +320,39 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, shutdown_timeout: float,
+def log_stats_interval() -> float:
+    """Seconds between the stats lines: $QWEN4EXP_LOG_STATS_INTERVAL (vLLM's VLLM_LOG_STATS_INTERVAL), default 10."""
+    value = os.environ.get("QWEN4EXP_LOG_STATS_INTERVAL", "10")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ConfigError("QWEN4EXP_LOG_STATS_INTERVAL", f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds it. `serve` binds it before the model loads, so that a port in
+    use fails at once, naming --port, instead of after minutes of loading."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError("--port", f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
+                                    f"(or --host), or stop the process that holds it") from None
+    return sock
+
+
+async def serve(app: FastAPI, async_engine: AsyncEngine, sock: socket.socket, shutdown_timeout: float,
                 log_level: str = "info") -> None:
-    """Serves until SIGTERM or SIGINT, then shuts down within `shutdown_timeout` seconds (+ a grace of 2 s for
-    the last responses to go out): stop accepting, let the running requests finish until the timeout, end the rest
-    with finish_reason "abort". A second signal exits at once (status 128 + the signal)."""
+    """Serves on `sock` (bind_socket's) until SIGTERM or SIGINT, then shuts down within `shutdown_timeout` seconds
+    (+ a grace of 2 s for the last responses to go out): stop accepting, let the running requests finish until the
+    timeout, end the rest with finish_reason "abort". A second signal exits at once (status 128 + the signal)."""
     # the grace lets the responses of the requests aborted at the timeout reach their clients
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 2)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 2)
     server = _Server(config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -341,7 +370,7 @@ async def serve(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, s
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        serving = asyncio.ensure_future(server.serve())
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -370,24 +399,32 @@ def run_server(args) -> None:
     from ..engine.engine import LLMEngine
     from .default_model import resolve_model
 
+    # wrong flags, a wrong template path and a port in use fail before the model loads
     config = engine_config_from_args(args)
-    chat_template = load_chat_template(args.chat_template)  # a wrong path fails before the model loads
-    model = resolve_model(args.model)
-    llm_engine = LLMEngine(model, config)
-    async_engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests).start()
+    chat_template = load_chat_template(args.chat_template)
+    stats_interval = log_stats_interval()
+    sock = bind_socket(args.host, args.port)
     try:
+        model = resolve_model(args.model)
         names = args.served_model_name or [model]
-        app = build_app(async_engine, names, api_key=args.api_key, max_model_len=llm_engine.config.max_model_len,
-                        model_path=model, chat_template=chat_template,
-                        trust_request_chat_template=args.trust_request_chat_template,
-                        max_request_body_bytes=args.max_request_body_bytes,
-                        renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout,
-                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        enable_request_id_headers=args.enable_request_id_headers)
-        logger.info("serving %s as %s on http://%s:%d (OpenAI API under /v1)", model,
-                    ", ".join(map(repr, names)), args.host, args.port)
-        asyncio.run(serve(app, async_engine, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level))
+        llm_engine = LLMEngine(model, config, served_model_name=names[0])
+        async_engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests,
+                                   log_stats=not args.disable_log_stats,
+                                   log_stats_interval=stats_interval).start()
+        try:
+            app = build_app(async_engine, names, api_key=args.api_key,
+                            max_model_len=llm_engine.config.max_model_len, model_path=model,
+                            chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                            max_request_body_bytes=args.max_request_body_bytes,
+                            renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout,
+                            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                            enable_request_id_headers=args.enable_request_id_headers)
+            logger.info("serving %s as %s on http://%s:%d (OpenAI API under /v1)", model,
+                        ", ".join(map(repr, names)), args.host, args.port)
+            asyncio.run(serve(app, async_engine, sock, args.shutdown_timeout, args.uvicorn_log_level))
+        finally:
+            async_engine.shutdown()
     finally:
-        async_engine.shutdown()
+        sock.close()
     logger.info("engine stopped")
 
