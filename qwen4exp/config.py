@@ -185,7 +185,8 @@ class ModelConfig:
         if self.mtp_num_hidden_layers == 0:
             raise ConfigError("mtp_num_hidden_layers", "is 0: the checkpoint has no MTP layer to draft with")
         if any(t != INDEXED for t in self.mtp_layer_types):
-            raise ConfigError("mtp.layer_types", f"MTP layers must be attention layers, got {list(self.mtp_layer_types)}")
+            raise ConfigError("mtp.layer_types",
+                              f"MTP layers must be attention layers, got {list(self.mtp_layer_types)}")
         if self.mtp_use_dedicated_embeddings:
             raise ConfigError("mtp_use_dedicated_embeddings",
                               "only false is supported (the MTP layer reads the model's embed_tokens)")

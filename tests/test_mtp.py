@@ -78,7 +78,8 @@ class ReferenceMTP:
         self.hf, self.ckpt = hf, ckpt
         c = self.c = hf.config
         layer_config = copy.deepcopy(c)
-        layer_config.num_hidden_layers, layer_config.layer_types, layer_config.ple_layer_ids = 1, ["indexed_attention"], []
+        layer_config.num_hidden_layers, layer_config.ple_layer_ids = 1, []
+        layer_config.layer_types = ["indexed_attention"]
         layer_config._attn_implementation = "eager"
         self.layer = Qwen4ExpTextDecoderLayer(layer_config, 0).eval()
         self.layer.load_state_dict(stacked_layer_state(ckpt, "mtp.layers.0.", c.num_experts))
@@ -147,7 +148,7 @@ def test_draft_equals_reference_on_prefill_and_a_decode_step(ours, hf, ckpt):
     reqs = Requests(ours, prompts)
     ends = torch.tensor(LENGTHS).cumsum(0) - 1
     with torch.inference_mode():
-        hidden, streams = ours(reqs.meta(prompts, [0] * len(prompts)), reqs.cache, return_streams=True)
+        _, streams = ours(reqs.meta(prompts, [0] * len(prompts)), reqs.cache, return_streams=True)
         # draft step 0 over every row: row t brings the token at t + 1; the last row the token sampled after it
         meta0 = reqs.meta([p[1:] + s[:1] for p, s in zip(prompts, sampled)], [0] * len(prompts))
         h0, s0 = ours.draft(meta0, reqs.cache, streams)
@@ -208,7 +209,8 @@ def test_mtp_weights_round_trip_in_the_released_layout(ours, ckpt, tiny_dir):
     released = {"mtp.fc_embedding.weight", "mtp.fc_hidden.weight", "mtp.pre_fc_norm_embedding.weight",
                 "mtp.pre_fc_norm_hidden.weight", "mtp.layers.0.self_attn.q_proj.weight",
                 "mtp.layers.0.self_attn.indexer.index_qk_proj.weight", "mtp.layers.0.mlp.experts.7.down_proj.weight",
-                "mtp.layers.0.mlp.shared_expert_gate.weight", "mtp.layers.0.attn_hyper_connection.block_inject_weight.weight",
+                "mtp.layers.0.mlp.shared_expert_gate.weight",
+                "mtp.layers.0.attn_hyper_connection.block_inject_weight.weight",
                 "mtp.hyper_connection_mixer.input_mix_weight_down.weight", "mtp.hyper_connection_mixer.hc_norm.weight"}
     assert released <= ckpt.keys()
     assert not any(k.startswith("mtp.layers.0.ple") for k in ckpt)
@@ -231,7 +233,8 @@ def test_mtp_weights_round_trip_in_the_released_layout(ours, ckpt, tiny_dir):
 
 def test_fp8_checkpoint_quantizes_the_draft_layer_like_the_others(tmp_path):
     d = make_random(str(tmp_path / "fp8"), "tiny", dtype="float32", seed=5, quantization="fp8")
-    skip = json.load(open(os.path.join(d, "config.json")))["quantization_config"]["modules_to_not_convert"]
+    with open(os.path.join(d, "config.json")) as f:
+        skip = json.load(f)["quantization_config"]["modules_to_not_convert"]
     assert "mtp.layers.0.mlp.gate" in skip and "mtp.hyper_connection_mixer.input_mix_weight_down" in skip
     assert "mtp.layers.0.mlp.shared_expert.down_proj" not in skip
     config = load_model_config(d)
@@ -272,10 +275,12 @@ def test_missing_mtp_weights_are_an_error_only_when_asked(tiny_dir, ours, tmp_pa
 def test_mtp_asked_of_a_config_without_it_names_the_field(tiny_dir, tmp_path):
     d = without_mtp(tiny_dir, str(tmp_path / "no_mtp_config"))
     path = os.path.join(d, "config.json")
-    cfg = json.load(open(path))
+    with open(path) as f:
+        cfg = json.load(f)
     for key in ("mtp_num_hidden_layers", "mtp"):
         cfg.pop(key)
-    json.dump(cfg, open(path, "w"))
+    with open(path, "w") as f:
+        json.dump(cfg, f)
     config = load_model_config(d)
     assert config.mtp_num_hidden_layers == 0
     assert load_model(config, d, torch.float32, "cpu").mtp is None
@@ -290,3 +295,34 @@ def test_dummy_weights_fill_the_draft_layer(tiny_dir):
     for name, p in model.mtp.named_parameters():
         if not name.endswith("_scale_inv"):
             assert p.float().abs().max() > 0, name
+
+
+def test_training_head_computes_the_draft_layer(tiny_dir):
+    """bench.train_small's MTP head (transformers' modules) and its loss compute what model/mtp.py computes: a model
+    trained with it is a checkpoint whose `mtp.*` tensors the engine drafts with."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling
+
+    from qwen4exp.bench.train_small import attach_mtp, final_mixer_input, mtp_loss
+    from qwen4exp.config import ModelConfig
+    from qwen4exp.weights.init import fill_
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    attach_mtp(hf, modeling).eval()
+    g = torch.Generator().manual_seed(1)
+    for name, p in hf.mtp.named_parameters():  # norms included: fill_ gives every tensor non-trivial values
+        fill_("mtp." + name, p.data, g)
+    ours = load_model(ModelConfig.from_hf(hf.config), None, torch.float32, "cpu", weights=hf.state_dict().items(),
+                      mtp=True)
+    ids = torch.randint(2, ours.config.vocab_size, (1, 24), generator=g)
+    with torch.no_grad(), final_mixer_input(hf) as seen:
+        hf(input_ids=ids)
+        ref = mtp_loss(hf, seen["streams"], ids)
+    tokens = ids[0].tolist()
+    reqs = Requests(ours, [tokens])
+    with torch.inference_mode():
+        _, streams = ours(reqs.meta([tokens], [0]), reqs.cache, return_streams=True)
+        hidden, _ = ours.draft(reqs.meta([tokens[1:] + [0]], [0]), reqs.cache, streams)
+        loss = F.cross_entropy(ours.compute_logits(hidden[:-2]), ids[0, 2:])
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=0)
+    assert ref > 1  # an untrained head: far from a loss a wrong row shift could also reach
