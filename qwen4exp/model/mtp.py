@@ -16,21 +16,24 @@ its own); fc_hidden is one H -> H projection applied to each stream. There is no
 `mtp.fc_hidden`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.{i}.*` (a decoder layer's
 names) and `mtp.hyper_connection_mixer.*`.
 
-Drafting with it (`Qwen4ExpForCausalLM`, built with mtp=True; `weights.loader.load_model(..., mtp=True)`):
+Drafting with it (`Qwen4ExpForCausalLM` built with mtp=True, e.g. `weights.loader.load_model(..., mtp=True)`):
 - the cache: `allocate_cache(..., mtp=True)` appends an attention cache per MTP layer, `cache.layers[
   num_hidden_layers + i]`, on the target's pages (`page_bytes(..., mtp=True)` and `num_attention_layers` count
   them): a request's page ids and block table index the draft layer's cache too.
 - the target step: `hidden, streams = model(meta, cache, return_streams=True)`; streams is [T, hc*H], every row.
-- draft step 0: `h, s = model.draft(meta0, cache, streams)`, where meta0 is the target step's metadata with
-  input_ids shifted by one within each request: row t gets the token at position t+1, the request's last row the
-  token just sampled (or accepted). Positions, slot mapping, block tables and QSA block rows stay the target's: the
-  draft layer's cache row of position t holds (S_t, x_{t+1}). Draft token 1 comes from
-  `model.compute_logits(h[last row of each request])`.
+- draft step 0, after every target step that writes the caches (prefill chunks included, so that the draft layer's
+  cache holds every position): `h, s = model.draft(meta0, cache, streams)`. meta0 is the target step's metadata
+  with input_ids shifted by one within each request: row t gets the token at position t+1, which is the prompt's
+  next token, or the token sampled (accepted) after row t. Positions, slot mapping, block tables and QSA block
+  rows stay the target's: the draft layer's cache row of position t holds (S_t, x_{t+1}). Rows after a request's
+  last accepted one may be left out (with their streams rows). Draft token 1 is sampled from
+  `model.compute_logits(h[each request's last row])`.
 - draft step j >= 1: one row per request at the next position, input_ids the previous draft token, streams the
   previous step's `s` at that request's row: `model.draft(meta_j, cache, s_rows, step=j)`, which runs MTP layer
   j % mtp_num_hidden_layers.
 Rejected drafts need no rollback here: their cache rows are rewritten when their positions are drafted again, as
-the target's attention rows are.
+the target's attention rows are. Without mtp=True none of this is built or run: the model, its cache and its CUDA
+graphs are unchanged (the graphs do not capture `return_streams`).
 """
 
 import torch
