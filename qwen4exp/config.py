@@ -134,7 +134,11 @@ class ModelConfig:
     indexer_budget: int | None = None
     indexer_compress_ratio: int | None = None
     tie_word_embeddings: bool = False
+    # MTP (multi-token prediction) layers shipped for drafting, and the `mtp` sub-object's fields; see check_mtp
     mtp_num_hidden_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
+    mtp_use_dedicated_embeddings: bool = False
+    mtp_use_hidden_state_from_layer: int | None = None
     torch_dtype: str = "bfloat16"
     # a quantized checkpoint's quantization_config (a dict is read into QuantizationConfig)
     quantization_config: QuantizationConfig | None = None
@@ -146,6 +150,9 @@ class ModelConfig:
         if quant is not None and not isinstance(quant, QuantizationConfig):
             raw = quant.to_dict() if hasattr(quant, "to_dict") else quant  # transformers may hold it as an object
             object.__setattr__(self, "quantization_config", QuantizationConfig.from_dict(raw))
+        n = self.mtp_num_hidden_layers
+        if not self.mtp_layer_types and isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            object.__setattr__(self, "mtp_layer_types", (INDEXED,) * n)  # the sub-object's default
         _validate(self)
 
     # ----- derived quantities -----
@@ -172,6 +179,22 @@ class ModelConfig:
     @property
     def gdn_value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def check_mtp(self) -> None:
+        """Raise ConfigError, naming the field, unless the checkpoint's MTP layers can draft: at least one, all
+        attention layers, drafting from the last layer's hidden state with the model's own embeddings."""
+        if self.mtp_num_hidden_layers == 0:
+            raise ConfigError("mtp_num_hidden_layers", "is 0: the checkpoint has no MTP layer to draft with")
+        if any(t != INDEXED for t in self.mtp_layer_types):
+            raise ConfigError("mtp.layer_types",
+                              f"MTP layers must be attention layers, got {list(self.mtp_layer_types)}")
+        if self.mtp_use_dedicated_embeddings:
+            raise ConfigError("mtp_use_dedicated_embeddings",
+                              "only false is supported (the MTP layer reads the model's embed_tokens)")
+        if self.mtp_use_hidden_state_from_layer is not None:
+            raise ConfigError("mtp.mtp_use_hidden_state_from_layer",
+                              f"only null (the last layer's streams) is supported, got "
+                              f"{self.mtp_use_hidden_state_from_layer!r}")
 
     def ple_index(self, layer_idx: int) -> int | None:
         """Position of 0-based decoder layer `layer_idx` among the PLE layers, or None."""
@@ -203,12 +226,37 @@ class ModelConfig:
             eos_token_id=eos_first,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             torch_dtype=_dtype_name(getattr(hf, "dtype", None)),
-            mtp_num_hidden_layers=getattr(hf, "mtp_num_hidden_layers", 0) or 0,
+            **_mtp_fields(hf),
         )
         if not stop_token_ids and eos is not None:
             stop_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         kw["stop_token_ids"] = tuple(stop_token_ids)
         return cls(**kw)
+
+
+def _mtp_fields(hf) -> dict:
+    """The MTP fields of a config: `mtp_num_hidden_layers` (or vLLM's `num_nextn_predict_layers`, or the `mtp`
+    sub-object's `num_hidden_layers`), `mtp_use_dedicated_embeddings`, and the `mtp` sub-object's `layer_types` and
+    `mtp_use_hidden_state_from_layer`."""
+    sub = getattr(hf, "mtp", None)
+    if sub is None:
+        sub = {}
+    if not isinstance(sub, dict):
+        raise ConfigError("mtp", f"must be an object, got {sub!r}")
+    counts = {name: value for name, value in (
+        ("mtp_num_hidden_layers", getattr(hf, "mtp_num_hidden_layers", None)),
+        ("num_nextn_predict_layers", getattr(hf, "num_nextn_predict_layers", None)),
+        ("mtp.num_hidden_layers", sub.get("num_hidden_layers"))) if value is not None}
+    layers = next(iter(counts.values()), 0)
+    for name, value in counts.items():
+        if value != layers:
+            raise ConfigError(name, f"{value!r} differs from {next(iter(counts))}={layers!r}")
+    layer_types = sub.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, (list, tuple)):
+        raise ConfigError("mtp.layer_types", f"must be a list, got {layer_types!r}")
+    return dict(mtp_num_hidden_layers=layers, mtp_layer_types=normalise_layer_types(layer_types or ()),
+                mtp_use_dedicated_embeddings=getattr(hf, "mtp_use_dedicated_embeddings", None) or False,
+                mtp_use_hidden_state_from_layer=sub.get("mtp_use_hidden_state_from_layer"))
 
 
 def _dtype_name(dtype) -> str:
@@ -312,6 +360,15 @@ def _validate(c: ModelConfig) -> None:
         if c.eos_token_id is None:
             raise ConfigError("eos_token_id", "must be set when PLE layers are enabled")
         positive("ple_conv_kernel_size", "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by")
+    if not isinstance(c.mtp_num_hidden_layers, int) or isinstance(c.mtp_num_hidden_layers, bool) \
+            or c.mtp_num_hidden_layers < 0:
+        raise ConfigError("mtp_num_hidden_layers", f"must be a non-negative integer, got {c.mtp_num_hidden_layers!r}")
+    if len(c.mtp_layer_types) != c.mtp_num_hidden_layers:
+        raise ConfigError("mtp.layer_types", f"has {len(c.mtp_layer_types)} entries but mtp_num_hidden_layers is "
+                                             f"{c.mtp_num_hidden_layers}")
+    if not isinstance(c.mtp_use_dedicated_embeddings, bool):
+        raise ConfigError("mtp_use_dedicated_embeddings", f"must be true or false, got "
+                                                          f"{c.mtp_use_dedicated_embeddings!r}")
     if c.torch_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError("torch_dtype", f"unsupported dtype {c.torch_dtype!r}")
 

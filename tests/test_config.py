@@ -76,12 +76,44 @@ def test_generation_config_sets_stop_tokens(tmp_path):
         (dict(moe_intermediate_size=0), "moe_intermediate_size"),
         (dict(hidden_size="big"), "hidden_size"),
         (dict(model_type="llama"), "model_type"),
+        (dict(mtp_num_hidden_layers=-1, mtp={}), "mtp_num_hidden_layers"),
+        (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers"),
+        (dict(mtp=dict(num_hidden_layers=2)), "mtp.num_hidden_layers"),
+        (dict(mtp=dict(layer_types=["full_attention"] * 2)), "mtp.layer_types"),
+        (dict(mtp="yes"), "mtp"),
     ],
 )
 def test_invalid_config_names_the_field(tmp_path, over, field):
     with pytest.raises(ConfigError) as e:
         load_model_config(write(tmp_path, tiny(**over)))
     assert field in str(e.value)
+
+
+def test_mtp_fields_read_as_released_and_under_vllms_name(tmp_path):
+    released = load_model_config(write(tmp_path, tiny()))
+    assert (released.mtp_num_hidden_layers, released.mtp_layer_types) == (1, ("indexed_attention",))
+    assert not released.mtp_use_dedicated_embeddings and released.mtp_use_hidden_state_from_layer is None
+    released.check_mtp()
+    cfg = tiny(num_nextn_predict_layers=1)
+    for key in ("mtp_num_hidden_layers", "mtp"):
+        cfg.pop(key)
+    assert load_model_config(write(tmp_path, cfg)) == released
+    cfg.pop("num_nextn_predict_layers")
+    assert load_model_config(write(tmp_path, cfg)).mtp_num_hidden_layers == 0
+
+
+@pytest.mark.parametrize("over, field", [
+    (dict(mtp_num_hidden_layers=0, mtp={}), "mtp_num_hidden_layers"),
+    (dict(mtp=dict(layer_types=["linear_attention"])), "mtp.layer_types"),
+    (dict(mtp_use_dedicated_embeddings=True), "mtp_use_dedicated_embeddings"),
+    (dict(mtp=dict(mtp_use_hidden_state_from_layer=10)), "mtp.mtp_use_hidden_state_from_layer"),
+])
+def test_mtp_that_cannot_draft_loads_and_names_the_field_when_asked(tmp_path, over, field):
+    """A config whose MTP layers this engine cannot draft with still loads; asking for MTP names the field."""
+    config = load_model_config(write(tmp_path, tiny(**over)))
+    with pytest.raises(ConfigError) as e:
+        config.check_mtp()
+    assert e.value.field == field
 
 
 def test_missing_config_file(tmp_path):
