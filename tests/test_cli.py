@@ -157,14 +157,17 @@ def test_python_m_qwen4exp_generate_builds_the_default_model_once(tmp_path):
         assert out.returncode == 0, out.stderr
         runs.append(out)
         if len(runs) == 1:
-            config = tmp_path / "cache" / "tiny-random" / "config.json"
+            (name,) = os.listdir(tmp_path / "cache")
+            # named after the code that writes it: an older version's checkpoint is not reused
+            assert re.fullmatch(r"tiny-random-[0-9a-f]{12}", name)
+            config = tmp_path / "cache" / name / "config.json"
             built = config.stat().st_mtime_ns
     lines = runs[0].stdout.splitlines()
     assert lines[0] == "--- prompt: 'hi'" and lines[-1] == "--- 4 tokens, finish_reason=length"
     assert runs[1].stdout == runs[0].stdout  # greedy on the same weights
-    assert os.listdir(tmp_path / "cache") == ["tiny-random"]
+    assert os.listdir(tmp_path / "cache") == [name]
     assert config.stat().st_mtime_ns == built
-    path = str(tmp_path / "cache" / "tiny-random")
+    path = str(tmp_path / "cache" / name)
     # vLLM's log format: level, month-day time, [file:line], message
     assert re.search(rf"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[default_model\.py:\d+\] no model given: built a "
                      rf"random-weight tiny model in {re.escape(path)} \(its output is gibberish\)", runs[0].stderr,
