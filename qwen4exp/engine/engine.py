@@ -1,5 +1,6 @@
 """LLMEngine: add requests, then `step()` until done. One step = schedule -> launch (run the model, sample) ->
-complete (read the samples; output_processor.py turns them into RequestOutputs), with at most one step in flight."""
+complete (read the samples; output_processor.py turns them into RequestOutputs), with at most one step in flight.
+Speculative decoding (launch verifies drafts, complete drafts the next ones) lives in spec_decode.py."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from .request import (
 from .runner import ModelRunner
 from .sampler import SampledBatch, Sampler, reads_history
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import SpecDecoder, SpecStep
 from .step_builder import RequestChunk, to_device
 from .warmup import warm_up
 
@@ -94,7 +96,8 @@ class LLMEngine:
                                 ple_table_device=self.config.ple_table_device,
                                 ple_table_dtype=self.config.ple_table_dtype,
                                 gpu_memory_utilization=self.config.gpu_memory_utilization,
-                                quantization=self.config.quantization)
+                                quantization=self.config.quantization,
+                                mtp=self.config.speculative_config is not None)
         # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's); the
         # page size follows the model unless given
         self.config = dataclasses.replace(self.config, page_size=resolve_page_size(mc, self.config.page_size))
@@ -103,7 +106,10 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        speculative = self.config.speculative_config is not None
+        if speculative and self.device.type == "cuda" and not self.config.enforce_eager:
+            logger.info("speculative decoding: steps run eagerly (no CUDA graphs)")
+        if self.device.type == "cuda" and not self.config.enforce_eager and not speculative:
             from .cuda_graph import CUDAGraphRunner
 
             graphs = CUDAGraphRunner(self.model, cache_tensors, self.config.page_size, self.config.max_model_len,
@@ -113,6 +119,8 @@ class LLMEngine:
                 graphs.capture()
         self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)
+        self.spec = (SpecDecoder(self.config, self.model, cache_tensors, self.config.page_size, self.device,
+                                 self.sampler) if speculative else None)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
         # the sampling defaults of requests that leave them unset (vLLM's get_diff_sampling_param)
         self.generation_defaults = generation_defaults(model, self.config.generation_config,
@@ -145,7 +153,7 @@ class LLMEngine:
         cache_info = {"block_size": str(c.page_size), "cache_dtype": "auto", "enable_prefix_caching": "False",
                       "gpu_memory_utilization": str(c.gpu_memory_utilization),
                       "num_gpu_blocks": str(self.cache.pages.num_usable)}
-        return EngineMetrics(self.served_model_name, c.max_model_len, cache_info)
+        return EngineMetrics(self.served_model_name, c.max_model_len, cache_info, c.num_speculative_tokens)
 
     # ----- requests -----
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
@@ -245,13 +253,16 @@ class LLMEngine:
 
     def _overlap(self) -> bool:
         """Asynchronous scheduling, unless a request's sampling reads its previous ids (penalties, min_tokens), which
-        the host has not read yet while a step is in flight."""
-        if not self.async_scheduling:
+        the host has not read yet while a step is in flight, or speculative decoding is on (a step's tokens are the
+        drafts the previous one accepted)."""
+        if not self.async_scheduling or self.spec is not None:
             return False
         return not any(reads_history(r.params) for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
 
-    def _launch(self, sched: SchedulerOutput, mixed_graphs: bool = True) -> "_Launched":
+    def _launch(self, sched: SchedulerOutput, mixed_graphs: bool = True) -> "_Launched | SpecStep":
         """Builds the chunks, runs the model and the sampler without waiting for them; advances the requests."""
+        if self.spec is not None:
+            return self.spec.launch(self, sched, mixed_graphs)
         n_ctx = self.model_config.ngram_size - 1
         prev = self._inflight
         chunks, spans = [], []
@@ -305,9 +316,11 @@ class LLMEngine:
                 return max(start, pending)
         return end - 1 if samples else end
 
-    def _complete(self, step: "_Launched") -> list[RequestOutput]:
+    def _complete(self, step: "_Launched | SpecStep") -> list[RequestOutput]:
         """Reads a launched step's samples (waiting for the device), hands them to the output processor and frees
         the sequences that finished; returns the outputs."""
+        if isinstance(step, SpecStep):
+            return self.spec.complete(self, step)
         samples = step.sampled.to_host() if step.sampled is not None else None
         for req in step.sample_reqs:
             req.num_pending -= 1

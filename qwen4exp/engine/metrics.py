@@ -13,6 +13,11 @@ inference = last token - first scheduled, e2e = finish - arrival.
 
 There is no prefix cache, so `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` exist and stay 0.
 
+With speculative decoding, vLLM's `vllm:spec_decode_*` counters: verified requests with drafts (num_drafts), their
+drafts (num_draft_tokens), the accepted ones (num_accepted_tokens) and those by draft position
+(num_accepted_tokens_per_pos, label `position`). Acceptance rate = accepted / draft tokens; mean acceptance length =
+1 + accepted / drafts.
+
 `StatsLogger` is vLLM's periodic "Avg prompt throughput: ..." line, read from these metrics.
 """
 
@@ -54,7 +59,10 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
 class EngineMetrics:
     """The metric families in `registry`, each bound to this engine's labels."""
 
-    def __init__(self, model_name: str, max_model_len: int, cache_config_info: dict[str, str] | None = None):
+    def __init__(self, model_name: str, max_model_len: int, cache_config_info: dict[str, str] | None = None,
+                 num_speculative_tokens: int = 0):
+        """num_speculative_tokens: with speculative decoding, vLLM's spec_decode counters (one per-position series
+        per draft position)."""
         self.model_name = model_name
         self.labels = {"model_name": model_name, "engine": "0"}
         self.registry = r = CollectorRegistry()
@@ -120,6 +128,16 @@ class EngineMetrics:
         self.request_num_preemptions = histogram(
             "vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
             REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.spec_decode = None
+        if num_speculative_tokens:
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                              names + ["position"], registry=r)
+            self.spec_decode = dict(
+                num_drafts=counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                num_draft_tokens=counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                num_accepted_tokens=counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                per_pos=[per_pos.labels(*values, str(i)) for i in range(num_speculative_tokens)],
+            )
         if cache_config_info is not None:
             # an info metric as vLLM writes it: a gauge at 1, labelled with the cache config (and no model_name)
             info = {**cache_config_info, "engine": "0"}
@@ -133,6 +151,15 @@ class EngineMetrics:
         if generation_tokens:
             self.generation_tokens.inc(generation_tokens)
         self.iteration_tokens.observe(prompt_tokens + generation_tokens)
+
+    def record_spec_decode(self, stats) -> None:
+        """One step's speculative decoding counters (spec_decode.SpecDecodeStats)."""
+        m = self.spec_decode
+        m["num_drafts"].inc(stats.num_drafts)
+        m["num_draft_tokens"].inc(stats.num_draft_tokens)
+        m["num_accepted_tokens"].inc(stats.num_accepted_tokens)
+        for counter, n in zip(m["per_pos"], stats.num_accepted_tokens_per_pos):
+            counter.inc(n)
 
     def record_finished(self, req, now: float) -> None:
         """A sequence that finished (stop or length) at `now`; its timestamps are set (it has a token)."""

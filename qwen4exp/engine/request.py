@@ -182,6 +182,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)
     state_slot: int | None = None
+    # speculative decoding: the tokens the draft layer proposes after the last token, and the request's other state
+    # slots, which receive the states after each verified row (one of them becomes state_slot when drafts are
+    # rejected)
+    draft_token_ids: list[int] = field(default_factory=list)
+    spare_slots: list[int] = field(default_factory=list)
     max_tokens: int = 16  # resolved against max_model_len at admission
     # outputs
     logprobs: list[dict[int, Logprob]] | None = None

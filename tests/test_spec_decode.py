@@ -1,0 +1,302 @@
+"""Speculative decoding (engine/spec_decode.py, engine/rejection_sampler.py): lossless against decoding without it,
+with the MTP layer's drafts (random weights: mostly rejected) and with drafts forced right or half right through the
+proposer interface, under chunked prefill, preemption and requests arriving over time; the sampling distribution by
+a chi-square test; configuration, metrics and the draft layer's proposals."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from qwen4exp import LLM, SamplingParams
+from qwen4exp.config import ConfigError, EngineConfig
+from qwen4exp.engine.spec_decode import DraftBatch
+from qwen4exp.weights.random_checkpoint import make_random
+
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, page_size=8)
+# chunked prefill (24 tokens a step) and too few pages for everyone (preemption)
+BUSY = dict(ENGINE, num_pages=24, max_num_batched_tokens=24, max_num_seqs=12)
+
+
+def speculative(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_random(str(tmp_path_factory.mktemp("tiny")), "tiny", dtype="float32", seed=1)
+
+
+def serve(llm, requests, seed: int = 0) -> dict:
+    """requests: (id, prompt ids, params), arriving a few per step; returns each request's final output."""
+    engine = llm.llm_engine
+    rng = random.Random(seed)
+    pending, outputs, steps = list(requests), {}, 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randrange(0, 4)):
+            if pending:
+                rid, prompt, params = pending.pop(0)
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        steps += 1
+        assert steps < 5000
+    return outputs
+
+
+class ScriptedProposer:
+    """Drafts a request's continuation as decoding without speculation produced it (`expected`: request id -> its
+    output tokens), each draft replaced by a wrong token where `wrong(position)` says so."""
+
+    def __init__(self, expected: dict[str, list[int]], wrong=lambda position: False):
+        self.expected, self.wrong = expected, wrong
+        self.proposed = 0
+
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        out = []
+        for e in batch.entries:
+            req = e.request
+            n = len(req.output_token_ids)
+            drafts = (self.expected[req.request_id][n: n + e.num_drafts] + [3] * e.num_drafts)[: e.num_drafts]
+            out.append([(t + 1) % 500 if self.wrong(n + i) else t for i, t in enumerate(drafts)])
+            self.proposed += len(drafts)
+        return out
+
+
+def child_ids(rid: str, n: int) -> list[str]:
+    return [rid] if n == 1 else [f"{i}_{rid}" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_dir):
+    """33 greedy requests covering every sampling feature, and their outputs without speculation (BUSY engine)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 60))] for _ in range(32)]
+    prompts.append([rng.randrange(3, 500) for _ in range(84)])  # ends by max_model_len (96)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_dir, **ENGINE, num_pages=256)
+    free = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in free]
+    pieces = [[llm.get_tokenizer().decode([t]) for t in out] for out in tokens]
+    requests = []
+    for i, p in enumerate(prompts):
+        out = tokens[i]
+        kind = i % 9
+        kw = dict(temperature=0.0, max_tokens=rng.randrange(1, 17), ignore_eos=True)
+        if kind == 1:
+            kw.update(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3)
+        elif kind == 2:
+            kw.update(logit_bias={out[3]: 4.0, out[6]: -3.0}, max_tokens=16)
+        elif kind == 3:
+            kw.update(logprobs=3, prompt_logprobs=2)
+        elif kind == 4:
+            kw.update(n=2, logprobs=1)
+        elif kind == 5:  # a stop id that decoding meets
+            kw.update(stop_token_ids=[out[7]], ignore_eos=False, max_tokens=16)
+        elif kind == 6:  # a stop id banned until min_tokens
+            kw.update(stop_token_ids=[out[2]], min_tokens=9, ignore_eos=False, max_tokens=16)
+        elif kind == 7:  # a stop string
+            kw.update(stop=[next(t for t in pieces[i][5:] if t.strip())], max_tokens=16)
+        elif kind == 8:  # a two-token bad word that decoding would generate
+            kw.update(bad_words_token_ids=[[out[4], out[5]]], max_tokens=16)
+        if i == len(prompts) - 1:
+            kw.update(max_tokens=None)
+        requests.append((str(i), p, SamplingParams(**kw)))
+    expected = serve(LLM(tiny_dir, **BUSY), requests)
+    return requests, expected
+
+
+def assert_same_outputs(outputs: dict, expected: dict, requests) -> None:
+    for rid, _, params in requests:
+        got, want = outputs[rid], expected[rid]
+        for g, w in zip(got.outputs, want.outputs, strict=True):
+            assert g.token_ids == w.token_ids, f"request {rid} ({params})"
+            assert (g.finish_reason, g.stop_reason, g.text) == (w.finish_reason, w.stop_reason, w.text), rid
+            if w.logprobs is not None:
+                for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                    assert a.keys() == b.keys()
+                    for t in a:
+                        assert abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank
+            if w.cumulative_logprob is not None:
+                assert abs(g.cumulative_logprob - w.cumulative_logprob) < 1e-3
+        if want.prompt_logprobs is not None:
+            for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def wrong_half(position: int) -> bool:
+    return (position * 7 + 3) % 4 < 2
+
+
+@pytest.mark.parametrize("k,drafts", [(1, "mtp"), (2, "mtp"), (3, "mtp"), (3, "right"), (2, "half right")])
+def test_greedy_outputs_equal_decoding_without_speculation(tiny_dir, workload, k, drafts):
+    """Token-identical outputs, logprobs within 1e-4, the same finish reasons and texts (stop ids and strings inside
+    accepted drafts end the request there); preemption happened; every page and slot is free afterwards."""
+    requests, expected = workload
+    llm = LLM(tiny_dir, **BUSY, speculative_config=speculative(k))
+    engine = llm.llm_engine
+    if drafts != "mtp":
+        tokens = {cid: o.token_ids for rid, out in expected.items() for cid, o in
+                  zip(child_ids(rid, len(out.outputs)), out.outputs)}
+        engine.spec.proposer = ScriptedProposer(tokens, wrong_half if drafts == "half right" else lambda p: False)
+    outputs = serve(llm, requests)
+    assert_same_outputs(outputs, expected, requests)
+    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert engine.cache.all_free() and not engine.scheduler.running and not engine.scheduler.waiting
+    m = engine.metrics
+    drafted = m.total("vllm:spec_decode_num_draft_tokens_total")
+    accepted = m.total("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [m.registry.get_sample_value("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                           {**m.labels, "position": str(i)}) for i in range(k)]
+    assert drafted > 0 and sum(per_pos) == accepted
+    assert per_pos == sorted(per_pos, reverse=True)  # a draft is accepted only after the ones before it
+    if drafts == "right":
+        assert accepted >= 0.8 * drafted
+    elif drafts == "half right":
+        assert 0.1 * drafted < accepted < 0.7 * drafted
+
+
+# ----- the sampling distribution -----
+
+TEMPERATURE, TOP_K, SAMPLES = 1.0, 3, 20_000
+
+
+class TinyContexts:
+    """The tiny model's raw logits after the prompt and some generated tokens (from prompt logprobs over the whole
+    vocabulary, which differ from the logits by a constant per row: the same distributions)."""
+
+    def __init__(self, llm, prompt: list[int]):
+        self.llm, self.prompt, self.rows = llm, prompt, {}
+
+    def fetch(self, contexts: list[tuple]) -> None:
+        vocab = self.llm.llm_engine.model_config.vocab_size
+        todo = [c for c in dict.fromkeys(contexts) if c not in self.rows]
+        outs = self.llm.generate([{"prompt_token_ids": self.prompt + list(c) + [0]} for c in todo],
+                                 SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
+        for c, out in zip(todo, outs):
+            entry = out.prompt_logprobs[len(self.prompt) + len(c)]
+            row = torch.full((vocab,), float("-inf"))
+            row[list(entry)] = torch.tensor([lp.logprob for lp in entry.values()])
+            self.rows[c] = row
+
+    def __getitem__(self, context: tuple) -> torch.Tensor:
+        return self.rows[context]
+
+    def probs(self, context: tuple) -> dict[int, float]:
+        """The sampling distribution there, by hand: softmax(logits / T) over the top k."""
+        top = self.rows[context].topk(TOP_K)
+        return dict(zip(top.indices.tolist(), torch.softmax(top.values / TEMPERATURE, 0).tolist()))
+
+    def argmax(self, context: tuple) -> int:
+        return int(self.rows[context].argmax())
+
+
+@pytest.fixture(scope="module")
+def tiny_tree(tiny_dir):
+    """Every context the first three tokens can be sampled in, and the greedy drafts after them."""
+    ctx = TinyContexts(LLM(tiny_dir, **ENGINE, num_pages=64), [17, 230, 45])
+    ctx.fetch([()])
+    ctx.fetch([(t1,) for t1 in ctx.probs(())])
+    ctx.fetch([(t1, t2) for t1 in ctx.probs(()) for t2 in ctx.probs((t1,))])
+    ctx.fetch([(t1, t2, ctx.argmax((t1, t2))) for t1 in ctx.probs(()) for t2 in ctx.probs((t1,))])
+    return ctx
+
+
+def chi_square_p(counts: dict[tuple, int], ctx: TinyContexts) -> float:
+    """p-value of the counts of (t1, t2, t3) under the exact distribution (cells expected < 5 pooled)."""
+    cells = []
+    for t1, p1 in ctx.probs(()).items():
+        for t2, p2 in ctx.probs((t1,)).items():
+            for t3, p3 in ctx.probs((t1, t2)).items():
+                cells.append((SAMPLES * p1 * p2 * p3, counts.get((t1, t2, t3), 0)))
+    assert sum(c for _, c in cells) == SAMPLES  # nothing outside the support
+    small = [c for c in cells if c[0] < 5]
+    cells = [c for c in cells if c[0] >= 5] + ([(sum(e for e, _ in small), sum(o for _, o in small))] if small else [])
+    stat = sum((o - e) ** 2 / e for e, o in cells)
+    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def seeded_requests():
+    from qwen4exp.engine.request import Request
+
+    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=4) for i in range(SAMPLES)]
+    return [Request(str(i), [17, 230, 45], p, max_tokens=4) for i, p in enumerate(params)]
+
+
+def commit(reqs, out, num_rows, upto):
+    row = 0
+    for req, n, a in zip(reqs, num_rows, upto):
+        req.output_token_ids += out.token_ids[row: row + a + 1]
+        row += n
+
+
+def speculate(ctx: TinyContexts, k: int = 2) -> dict[tuple, int]:
+    """SAMPLES seeded requests through the engine's verification, `k` drafts a step that are the target's greedy
+    tokens (as a perfect draft layer would make them) and as many as the engine allows (max_tokens 4): what the
+    engine's steps do, batched over every request at once."""
+    from qwen4exp.engine.rejection_sampler import RejectionSampler
+    from qwen4exp.engine.sampler import Sampler
+
+    verifier = RejectionSampler(Sampler("cpu", seed=0))
+    reqs = seeded_requests()
+    active = reqs
+    while active:
+        drafts, rows = [], []
+        for req in active:
+            made = tuple(req.output_token_ids)
+            n = min(k, req.max_tokens - len(made) - 1) if made else 0
+            d = []
+            for _ in range(n):
+                d.append(ctx.argmax(made + tuple(d)))
+            drafts.append(d)
+            rows += [made + tuple(d[:j]) for j in range(n + 1)]
+        ctx.fetch(rows)
+        out, accepted = verifier.verify(torch.stack([ctx[r] for r in rows]), active, drafts,
+                                        [[] for _ in active]).to_host()
+        commit(active, out, [len(d) + 1 for d in drafts], accepted)
+        active = [r for r in active if len(r.output_token_ids) < 3]
+    return _counts(reqs)
+
+
+def _counts(reqs) -> dict[tuple, int]:
+    counts: dict[tuple, int] = {}
+    for r in reqs:
+        key = tuple(r.output_token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_the_test_accepts_sampling_without_speculation(tiny_tree):
+    """Calibration: the sampler without speculation (one token a step) passes the chi-square test."""
+    from qwen4exp.engine.sampler import Sampler
+
+    sampler, reqs = Sampler("cpu", seed=0), seeded_requests()
+    for _ in range(3):
+        rows = [tuple(r.output_token_ids) for r in reqs]
+        out = sampler(torch.stack([tiny_tree[c] for c in rows]), reqs, [[] for _ in reqs])
+        commit(reqs, out, [1] * len(reqs), [0] * len(reqs))
+    assert chi_square_p(_counts(reqs), tiny_tree) > 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("perturbation", [None, "accept more", "accept less"])
+def test_sampling_with_speculation_has_the_target_distribution(tiny_tree, monkeypatch, perturbation):
+    """20,000 seeded samples of the first three tokens (top_k 3, temperature 1) through the rejection sampler
+    with two greedy drafts a step match the distribution without speculation (chi-square p > 0.01); a perturbed
+    acceptance rule fails the same test."""
+    from qwen4exp.engine import rejection_sampler
+
+    exact = rejection_sampler.acceptance_probability
+    if perturbation == "accept more":
+        monkeypatch.setattr(rejection_sampler, "acceptance_probability", lambda p, q: exact(1.25 * p, q))
+    elif perturbation == "accept less":
+        monkeypatch.setattr(rejection_sampler, "acceptance_probability", lambda p, q: exact(0.8 * p, q))
+    p = chi_square_p(speculate(tiny_tree), tiny_tree)
+    if perturbation is None:
+        assert p > 0.01
+    else:
+        assert p < 1e-6
