@@ -16,7 +16,7 @@ from qwen4exp.weights.random_checkpoint import make_random
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, page_size=8)
 # chunked prefill (24 tokens a step) and too few pages for everyone (preemption)
-BUSY = dict(ENGINE, num_pages=24, max_num_batched_tokens=24, max_num_seqs=12)
+BUSY = dict(ENGINE, num_pages=20, max_num_batched_tokens=24, max_num_seqs=12)
 
 
 def speculative(k: int) -> dict:
@@ -300,3 +300,87 @@ def test_sampling_with_speculation_has_the_target_distribution(tiny_tree, monkey
         assert p > 0.01
     else:
         assert p < 1e-6
+
+
+# ----- the draft layer's proposals -----
+
+class RecordingProposer:
+    """The engine's MTP proposer, recording each request's tokens and the drafts proposed after them."""
+
+    def __init__(self, proposer):
+        self.proposer, self.records = proposer, []
+
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        drafts = self.proposer.propose(batch)
+        for e, d in zip(batch.entries, drafts):
+            if d:
+                req = e.request
+                self.records.append((req.prompt_token_ids + req.output_token_ids, d))
+        return drafts
+
+
+def reference_draft_logits(model, tokens: list[int], drafts: list[int]) -> list[torch.Tensor]:
+    """The draft layer's logits for each draft position after `tokens`, computed from scratch (model/mtp.py's
+    contract on a fresh cache): the target over tokens[:-1], draft step 0 over those rows fed tokens[1:], then one
+    row per further draft fed the previous draft."""
+    from qwen4exp.engine.step_builder import RequestChunk, StepBuilder
+    from qwen4exp.model import allocate_cache
+
+    page = 8
+    n = len(tokens)
+    pages = list(range(1, 2 + (n + len(drafts)) // page))
+    cache = allocate_cache(model.config, len(pages) + 1, page, 2, torch.float32, "cpu", mtp=True)
+    builder = StepBuilder(model.config, page)
+
+    def meta(ids, context):
+        hist = tokens[max(0, context - 2):context]
+        return builder.build([RequestChunk(ids, context, hist, pages, 1, 0)]).to_metadata("cpu")
+
+    with torch.inference_mode():
+        _, streams = model(meta(tokens[:-1], 0), cache, return_streams=True)
+        hidden, streams = model.draft(meta(tokens[1:], 0), cache, streams)
+        out = [model.compute_logits(hidden[-1:])[0]]
+        for j in range(1, len(drafts)):
+            hidden, streams = model.draft(meta([drafts[j - 1]], n - 2 + j), cache, streams[-1:], step=j)
+            out.append(model.compute_logits(hidden)[0])
+    return out
+
+
+def test_drafts_are_the_draft_layers_greedy_tokens_from_scratch(tiny_dir):
+    """Every draft the engine proposes (k = 3; chunked prefill, preemption, rejected drafts before it) is the
+    argmax of the draft layer computed from scratch over the request's tokens: the draft layer's cache holds every
+    position and rejected rows leave nothing in it."""
+    rng = random.Random(3)
+    llm = LLM(tiny_dir, **BUSY, speculative_config=speculative(3))
+    engine = llm.llm_engine
+    recorder = engine.spec.proposer = RecordingProposer(engine.spec.proposer)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(1, 60))],
+                 SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for i in range(12)]
+    serve(llm, requests)
+    assert engine.scheduler.num_preemptions > 0 and len(recorder.records) > 30
+    for tokens, drafts in recorder.records[::2]:
+        for draft, logits in zip(drafts, reference_draft_logits(engine.model, tokens, drafts)):
+            # ties within float noise of a batched computation may pick either
+            assert logits[draft] >= logits.max() - 1e-4, (tokens, drafts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,drafts", [(1, "mtp"), (3, "half right")])
+def test_small_preset_greedy_outputs_equal_decoding_without_speculation(tmp_path_factory, k, drafts):
+    """The small preset (8 layers, 16 experts, QSA selecting from 67 tokens on): 32 requests arriving over time,
+    chunked prefill and preemption; token-identical outputs and logprobs within 1e-4, the cache free afterwards."""
+    d = make_random(str(tmp_path_factory.mktemp("small")), "small", dtype="float32", seed=2)
+    rng = random.Random(5)
+    requests = [(str(i), [rng.randrange(3, 4000) for _ in range(rng.randrange(1, 90))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 10), ignore_eos=True,
+                                logprobs=2 if i % 4 == 0 else None)) for i in range(32)]
+    busy = dict(ENGINE, num_pages=24, max_num_batched_tokens=48, max_num_seqs=8)
+    expected = serve(LLM(d, **busy), requests)
+    llm = LLM(d, **busy, speculative_config=speculative(k))
+    engine = llm.llm_engine
+    if drafts != "mtp":
+        engine.spec.proposer = ScriptedProposer({rid: out.outputs[0].token_ids for rid, out in expected.items()},
+                                                wrong_half)
+    assert_same_outputs(serve(llm, requests), expected, requests)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.cache.all_free()
