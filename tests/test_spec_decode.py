@@ -3,8 +3,8 @@ with the MTP layer's drafts (random weights: mostly rejected) and with drafts fo
 proposer interface, under chunked prefill, preemption and requests arriving over time; the sampling distribution by
 a chi-square test; configuration, metrics and the draft layer's proposals."""
 
-import math
 import random
+import time
 
 import pytest
 import torch
@@ -384,3 +384,106 @@ def test_small_preset_greedy_outputs_equal_decoding_without_speculation(tmp_path
     assert_same_outputs(serve(llm, requests), expected, requests)
     assert engine.scheduler.num_preemptions > 0
     assert engine.cache.all_free()
+
+
+# ----- configuration, seeds, metrics -----
+
+@pytest.mark.parametrize("value,field", [
+    ({"method": "eagle", "num_speculative_tokens": 1}, "speculative_config.method"),
+    ({"num_speculative_tokens": 1}, "speculative_config.method"),
+    ({"method": "mtp", "num_speculative_tokens": 5}, "speculative_config.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": "2"}, "speculative_config.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "speculative_config"),
+    ([1], "speculative_config"),
+])
+def test_bad_speculative_config_names_the_field(value, field):
+    with pytest.raises(ConfigError) as e:
+        LLM(device="cpu", speculative_config=value)
+    assert e.value.field == field
+
+
+def test_speculative_config_is_vllms_json():
+    config = EngineConfig(speculative_config={"num_speculative_tokens": 3, "method": "mtp"})
+    assert config.num_speculative_tokens == 3 and EngineConfig().num_speculative_tokens == 0
+
+
+def test_checkpoint_without_mtp_weights_cannot_speculate(tiny_dir, tmp_path):
+    from test_mtp import without_mtp
+
+    from qwen4exp.weights.loader import MissingMTPError
+
+    d = without_mtp(tiny_dir, str(tmp_path / "no_mtp"))
+    LLM(d, **ENGINE, num_pages=16)  # fine without speculation
+    with pytest.raises(MissingMTPError, match=r"no MTP weights \(mtp\.\*\)"):
+        LLM(d, **ENGINE, num_pages=16, speculative_config=speculative(1))
+
+
+def test_seeded_requests_sample_the_same_alone_and_in_any_batch(tiny_dir):
+    """With speculation, a seeded request's tokens depend on its seed only, not on what else runs with it."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(2, 30))] for _ in range(8)]
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=i, max_tokens=12, ignore_eos=True,
+                             presence_penalty=0.4 if i % 2 else 0.0) for i in range(4)]
+    others = [SamplingParams(temperature=t, max_tokens=10, ignore_eos=True) for t in (0.0, 1.0, 0.0, 0.7)]
+    alone = LLM(tiny_dir, **ENGINE, num_pages=64, max_num_seqs=1, speculative_config=speculative(2))
+    want = [alone.generate([{"prompt_token_ids": p}], q, use_tqdm=False)[0].outputs[0].token_ids
+            for p, q in zip(prompts[:4], seeded)]
+    llm = LLM(tiny_dir, **BUSY, speculative_config=speculative(2))
+    requests = [(str(i), p, q) for i, (p, q) in enumerate(zip(prompts, seeded + others))]
+    requests = requests[4:6] + requests[:2] + requests[6:] + requests[2:4]
+    got = serve(llm, requests)
+    assert [got[str(i)].outputs[0].token_ids for i in range(4)] == want
+    assert len({tuple(w) for w in want}) == 4
+
+
+def test_spec_decode_metrics_as_vllm_exports_them(tiny_dir):
+    from prometheus_client import generate_latest
+
+    llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(2))
+    tokens = {"0": [5] * 20}
+    llm.llm_engine.spec.proposer = ScriptedProposer(tokens, lambda position: position % 3 == 2)
+    llm.llm_engine.add_request("0", {"prompt_token_ids": [3, 4]}, SamplingParams(temperature=0.0, max_tokens=9,
+                                                                                  ignore_eos=True,
+                                                                                  logit_bias={5: 100.0}))
+    outputs = []
+    while llm.llm_engine.has_unfinished_requests():
+        outputs += llm.llm_engine.step()
+    assert outputs[-1].outputs[0].token_ids == [5] * 9
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 3, 6, 9]
+    text = generate_latest(llm.llm_engine.metrics.registry).decode()
+    labels = 'engine="0",model_name="{}"'.format(tiny_dir)
+    # the target's token is always 5; drafts are wrong at outputs 2, 5, 8. Outputs 1-2: [5, x] (one kept, then 5),
+    # 3-4: [5, 5] (both kept, then the bonus 5), 6-7: [5, 5] (both kept, and the bonus is the 9th token)
+    for name, value in [("vllm:spec_decode_num_drafts_total", 3.0), ("vllm:spec_decode_num_draft_tokens_total", 6.0),
+                        ("vllm:spec_decode_num_accepted_tokens_total", 5.0)]:
+        assert f"{name}{{{labels}}} {value}" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 3.0' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} 2.0' in text
+    plain = LLM(tiny_dir, **ENGINE, num_pages=64)
+    assert "spec_decode" not in generate_latest(plain.llm_engine.metrics.registry).decode()
+
+
+def test_stats_line_reports_the_acceptance(tiny_dir, caplog):
+    import logging
+
+    from qwen4exp.engine.metrics import StatsLogger
+
+    caplog.set_level(logging.INFO, logger="qwen4exp")
+    llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(2))
+    llm.llm_engine.spec.proposer = ScriptedProposer({"0": [5] * 20}, lambda position: position % 3 == 2)
+    stats = StatsLogger(llm.llm_engine, interval=10.0)
+    start = time.monotonic()
+    llm.llm_engine.add_request("0", {"prompt_token_ids": [3, 4]},
+                               SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logit_bias={5: 100.0}))
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    caplog.clear()
+    stats.log(start + 10.0)
+    # as in test_spec_decode_metrics_as_vllm_exports_them: 3 drafts of 6 tokens, 5 accepted (3 first, 2 second)
+    assert ("SpecDecoding metrics: Mean acceptance length: 2.67, Accepted throughput: 0.50 tokens/s, Drafted "
+            "throughput: 0.60 tokens/s, Accepted: 5 tokens, Drafted: 6 tokens, Per-position acceptance rate: 1.000, "
+            "0.667, Avg Draft acceptance rate: 83.3%") in caplog.text
+    caplog.clear()
+    stats.log(start + 20.0)
+    assert "SpecDecoding" not in caplog.text  # no drafts in the interval

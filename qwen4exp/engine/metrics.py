@@ -182,6 +182,14 @@ class EngineMetrics:
         self.request_params_n.observe(n)
         self.request_max_num_generation_tokens.observe(max_generation_tokens)
 
+    def spec_decode_totals(self) -> tuple[int, int, int, list[int]] | None:
+        """(drafts, draft tokens, accepted tokens, accepted tokens per position) so far; None without speculation."""
+        m = self.spec_decode
+        if m is None:
+            return None
+        return (int(m["num_drafts"]._value.get()), int(m["num_draft_tokens"]._value.get()),
+                int(m["num_accepted_tokens"]._value.get()), [int(c._value.get()) for c in m["per_pos"]])
+
     def total(self, name: str) -> float:
         """A sample's value, e.g. total("vllm:generation_tokens_total")."""
         return self.registry.get_sample_value(name, self.labels) or 0.0
@@ -191,7 +199,8 @@ class StatsLogger:
     """vLLM's periodic stats line: every `interval` seconds, the prompt and generation throughput since the last
     line, the running and waiting requests, preemptions (when there were some) and the cache usage; at DEBUG level
     while the engine stays idle. vLLM adds the prefix cache hit rate once a prefix cache was queried, which never
-    happens here. Called from the engine thread (AsyncEngine's loop), which owns `engine`."""
+    happens here. With speculative decoding, vLLM's "SpecDecoding metrics" line follows where the interval verified
+    drafts. Called from the engine thread (AsyncEngine's loop), which owns `engine`."""
 
     def __init__(self, engine, interval: float = 10.0):
         self.engine, self.interval = engine, interval
@@ -200,6 +209,7 @@ class StatsLogger:
         self._last_metrics = None
         self._last_totals = (0.0, 0.0, 0.0)
         self._last_throughput = (0.0, 0.0)
+        self._last_spec = None
 
     def maybe_log(self, now: float) -> None:
         if now - self._last_time >= self.interval:
@@ -210,7 +220,7 @@ class StatsLogger:
         totals = (metrics.total("vllm:prompt_tokens_total"), metrics.total("vllm:generation_tokens_total"),
                   metrics.total("vllm:num_preemptions_total"))
         if metrics is not self._last_metrics:  # reset (warm-up, a new served name): count from zero
-            self._last_metrics, self._last_totals = metrics, (0.0, 0.0, 0.0)
+            self._last_metrics, self._last_totals, self._last_spec = metrics, (0.0, 0.0, 0.0), None
         elapsed = max(now - self._last_time, 1e-9)
         prompt, generation, preemptions = (t - last for t, last in zip(totals, self._last_totals))
         throughput = (prompt / elapsed, generation / elapsed)
@@ -226,3 +236,15 @@ class StatsLogger:
         parts.append("%s KV cache usage: %.1f%%")
         args += [self.cache_device, self.engine.cache.usage * 100]
         (logger.debug if idle else logger.info)(", ".join(parts), *args)
+        spec = metrics.spec_decode_totals()
+        if spec is not None:
+            last = self._last_spec or (0, 0, 0, [0] * len(spec[3]))
+            self._last_spec = spec
+            drafts, drafted, accepted = (a - b for a, b in zip(spec[:3], last[:3]))
+            if drafts:
+                rates = ", ".join(f"{(a - b) / drafts:.3f}" for a, b in zip(spec[3], last[3]))
+                logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+                            "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                            "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                            1 + accepted / drafts, accepted / elapsed, drafted / elapsed, accepted, drafted, rates,
+                            100 * accepted / drafted)
