@@ -107,11 +107,12 @@ class RenderPool:
         return await self._run("encode", texts, add_special_tokens, max_tokens)
 
     async def render_chat(self, conversation: list[dict], add_generation_prompt: bool, template: str | None,
-                          kwargs: dict, max_chars: int, max_tokens: int) -> list[int] | int:
-        """The chat template's token ids (or their count beyond `max_tokens`); a rendered text longer than
-        `max_chars` is a RenderError."""
+                          kwargs: dict, max_chars: int, max_tokens: int, tools: list[dict] | None = None,
+                          suffix: str = "") -> list[int] | int:
+        """The chat template's token ids (or their count beyond `max_tokens`) for the conversation and `tools`,
+        `suffix` appended to the text; a rendered text longer than `max_chars` is a RenderError."""
         return await self._run("render_chat", conversation, add_generation_prompt, template, kwargs, max_chars,
-                               max_tokens)
+                               max_tokens, tools, suffix)
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run("decode", ids)

@@ -44,11 +44,13 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from .reasoning import REASONING_PARSERS
 from .render_pool import RenderPool
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_engine import APIError, error_response, to_api_error
 from .serving_tokenization import ServingTokenization
+from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("qwen4exp")
 
@@ -135,14 +137,20 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
               max_model_len: int | None = None, model_path: str | None = None, *, chat_template: str | None = None,
               trust_request_chat_template: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, renderer_num_workers: int = 2,
-              renderer_timeout: float = 30.0) -> FastAPI:
+              renderer_timeout: float = 30.0, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     """The app over a started AsyncEngine. Its render pool's processes start here and stop with the app's
     lifespan (uvicorn's shutdown, or leaving a TestClient)."""
+    check_parser_options(tool_call_parser, reasoning_parser, enable_auto_tool_choice)
     engine = async_engine
     max_model_len = max_model_len or engine.config.max_model_len
     pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
     args = (engine, pool, served_model_name, max_model_len, chat_template, trust_request_chat_template)
-    completion, chat, tokenization = ServingCompletion(*args), ServingChat(*args), ServingTokenization(*args)
+    completion, tokenization = ServingCompletion(*args), ServingTokenization(*args)
+    chat = ServingChat(*args, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                       enable_auto_tool_choice=enable_auto_tool_choice,
+                       exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -255,6 +263,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     return app
 
 
+def check_parser_options(tool_call_parser: str | None, reasoning_parser: str | None,
+                         enable_auto_tool_choice: bool) -> None:
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: unknown parser {tool_call_parser!r} (one of {sorted(TOOL_PARSERS)})")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: unknown parser {reasoning_parser!r} (one of {sorted(REASONING_PARSERS)})")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: --enable-auto-tool-choice needs --tool-call-parser")
+
+
 def engine_config_from_args(args) -> EngineConfig:
     """The EngineConfig of `qwen4exp serve`'s argparse `args`; the step budget defaults to the server's."""
     config = EngineConfig.from_cli_args(args)
@@ -342,6 +360,7 @@ def run_server(args) -> None:
 
     config = engine_config_from_args(args)
     chat_template = load_chat_template(args.chat_template)  # a wrong path fails before the model loads
+    check_parser_options(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice)
     model = resolve_model(args.model)
     llm_engine = LLMEngine(model, config)
     async_engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests).start()
@@ -351,7 +370,10 @@ def run_server(args) -> None:
                         model_path=model, chat_template=chat_template,
                         trust_request_chat_template=args.trust_request_chat_template,
                         max_request_body_bytes=args.max_request_body_bytes,
-                        renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout)
+                        renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
         logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", model, name, args.host, args.port)
         asyncio.run(serve(app, async_engine, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level))
     finally:

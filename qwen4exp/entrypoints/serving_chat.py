@@ -1,4 +1,12 @@
-"""/v1/chat/completions: messages rendered by the chat template, streamed or not."""
+"""/v1/chat/completions: messages (and tools) rendered by the chat template, streamed or not; the answer's text
+parsed into reasoning, content and tool calls by the server's --reasoning-parser and --tool-call-parser.
+
+Tool calls are parsed as in vLLM: with tool_choice "auto" when the server runs with --enable-auto-tool-choice,
+and always with "required" or a named function. Those two need --tool-call-parser; "auto" without
+--enable-auto-tool-choice is refused unless a --tool-call-parser is set (then the calls stay in the content).
+Where vLLM constrains a "required" or named choice with a grammar, the prompt here ends with the start of a call
+(of that function), so the answer is one.
+"""
 
 from __future__ import annotations
 
@@ -8,34 +16,102 @@ import uuid
 from fastapi import Request
 
 from .async_engine import RequestStream
-from .openai_format import usage
+from .openai_format import ChatParsing, usage
 from .protocol import ChatCompletionRequest
-from .serving_engine import OpenAIServing, SSEResponse, parse, run_until_disconnect, sse, sse_error, to_api_error
+from .reasoning import REASONING_PARSERS
+from .serving_engine import (
+    APIError,
+    OpenAIServing,
+    SSEResponse,
+    parse,
+    run_until_disconnect,
+    sse,
+    sse_error,
+    to_api_error,
+)
+from .tool_parsers import TOOL_PARSERS
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
 
 class ServingChat(OpenAIServing):
+    def __init__(self, *args, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False, exclude_tools_when_tool_choice_none: bool = False):
+        super().__init__(*args)
+        self.tool_parser = TOOL_PARSERS[tool_call_parser] if tool_call_parser else None
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        self.reasoning_vocab: dict[str, int] = {}
+        if self.reasoning_parser is not None and self.tokenizer is not None:
+            vocab = self.tokenizer.get_vocab()
+            markers = (self.reasoning_parser.START, self.reasoning_parser.END, *self.reasoning_parser.TURN_MARKERS)
+            self.reasoning_vocab = {m: vocab[m] for m in markers if m in vocab}
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
+        parse(_FIELDS, req.check_tool_use)
+        self._check_tool_choice(req)
         params = parse(_FIELDS, lambda: req.to_sampling_params(self.vocab_size))
+        parsing = self._parsing(req)
+        if parsing is not None or (self.tool_parser is not None and req.tools and req.tool_choice != "none"):
+            # the parsers read tags that some tokenizers mark special (vLLM's parsers keep them too)
+            params.skip_special_tokens = False
+        tools = req.tools
+        if req.tool_choice == "none" and self.exclude_tools_when_tool_choice_none:
+            tools = None
         prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template,
-                                            req.chat_template_kwargs)
+                                            req.chat_template_kwargs, [t.for_template() for t in tools or []] or None,
+                                            parsing.prefix if parsing is not None else "")
+        if parsing is not None and parsing.reasoning is not None:
+            parsing.in_reasoning = (not parsing.prefix and parsing.reasoning.thinking(req.chat_template_kwargs)
+                                    and parsing.reasoning.starts_in_reasoning(prompt_ids, self.reasoning_vocab))
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await self.add_all(request_id, [prompt_ids], params, _FIELDS)
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": self.served_model_name}
         echo = self.fmt.chat_echo(req)
         if req.stream:
-            return SSEResponse(self._stream(req, {**head, "object": "chat.completion.chunk"}, streams[0], echo),
-                               self.abort_all(streams))
+            return SSEResponse(self._stream(req, {**head, "object": "chat.completion.chunk"}, streams[0], echo,
+                                            parsing), self.abort_all(streams))
         try:
             (out,) = await run_until_disconnect(raw, self.final_outputs(streams))
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx by to_api_error
             raise to_api_error(e) from None
-        return {**head, "choices": [self.fmt.chat_choice(req, out, c, echo) for c in out.outputs],
+        return {**head, "choices": [self.fmt.chat_choice(req, out, c, echo, parsing) for c in out.outputs],
                 "usage": usage([out]), "prompt_logprobs": self.fmt.prompt_logprobs(req, out)}
 
-    async def _stream(self, req: ChatCompletionRequest, head: dict, stream: RequestStream, echo: str):
+    def _check_tool_choice(self, req: ChatCompletionRequest) -> None:
+        """vLLM's rule: a tool choice other than "none" needs a tool-call parser, "auto" also allows
+        --enable-auto-tool-choice."""
+        choice = req.tool_choice
+        if self.tool_parser is not None or choice in (None, "none"):
+            return
+        if choice == "auto":
+            raise APIError(400, 'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
+                                '--tool-call-parser', "tool_choice")
+        what = f'function "{req.named_function}"' if req.named_function else f'"{choice}"'
+        raise APIError(400, f"tool_choice: {what} needs the server started with --tool-call-parser", "tool_choice")
+
+    def _parsing(self, req: ChatCompletionRequest) -> ChatParsing | None:
+        """What parses this request's answers; None when it is plain text."""
+        named = req.named_function
+        forced = named is not None or req.tool_choice == "required"
+        calls = self.tool_parser is not None and bool(req.tools) and (
+            forced or (req.tool_choice == "auto" and self.enable_auto_tool_choice))
+        if not calls and self.reasoning_parser is None:
+            return None
+        parsing = ChatParsing(reasoning=self.reasoning_parser, include_reasoning=req.include_reasoning)
+        if calls:
+            parsing.tool_parser = self.tool_parser
+            parsing.tools = [t.for_template() for t in req.tools]
+            parsing.forced, parsing.named = forced, named is not None
+            parsing.max_calls = 1 if named is not None or req.parallel_tool_calls is False else None
+            if forced and req.add_generation_prompt:
+                parsing.prefix = self.tool_parser.forced_prefix(named)
+        return parsing
+
+    async def _stream(self, req: ChatCompletionRequest, head: dict, stream: RequestStream, echo: str,
+                      parsing: ChatParsing | None):
         state = self.fmt.new_stream_state()
         extra = {"usage": None} if req.include_usage else {}
         for i in range(req.n):  # the role comes first, as in OpenAI's and vLLM's streams
@@ -47,7 +123,7 @@ class ServingChat(OpenAIServing):
             async for out in self.engine.stream_outputs(stream):
                 last = out
                 for c in out.outputs:
-                    choice = self.fmt.chat_delta(req, c, state)
+                    choice = self.fmt.chat_delta(req, c, state, parsing)
                     if choice is not None:
                         yield sse({**head, "choices": [choice], **extra})
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does

@@ -217,14 +217,14 @@ class OpenAIServing:
         return value
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None,
-                          kwargs: dict | None) -> list[int]:
-        """The token ids of the conversation as the chat template renders it."""
+                          kwargs: dict | None, tools: list[dict] | None = None, suffix: str = "") -> list[int]:
+        """The token ids of the conversation (and `tools`) as the chat template renders it, then `suffix`."""
         template = self.template_for(template, kwargs)
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
         conversation = parse({"messages"}, lambda: [m.for_template() for m in messages])
         try:
             ids = await self._pool("messages").render_chat(conversation, add_generation_prompt, template, kwargs,
-                                                           self.max_prompt_chars, self.max_model_len)
+                                                           self.max_prompt_chars, self.max_model_len, tools, suffix)
         except RenderError as e:
             raise APIError(400, f"messages: the chat template could not be applied: {e}", "messages") from None
         if isinstance(ids, int):
