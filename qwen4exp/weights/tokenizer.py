@@ -110,8 +110,8 @@ def build_tokenizer(out_dir: str, vocab_size: int = 1024, model_max_length: int 
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer)
+    tok.add_tokens(ADDED_TOKENS)  # before the special tokens: a full vocabulary keeps their ids at its end
     tok.add_special_tokens(SPECIAL_TOKENS)
-    tok.add_tokens(ADDED_TOKENS)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     config = {
