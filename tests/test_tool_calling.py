@@ -153,9 +153,12 @@ def test_prompt_renders_tools_calls_and_results(url, reference):
             "</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
     for tag in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):  # one token each
         assert ids.count(tok.convert_tokens_to_ids(tag)) == text.count(tag) >= 2
-    # offline, LLM.chat(tools=...) renders the same prompt
+    # offline, LLM.chat(tools=...) renders the same prompt, and chat_template= replaces the template
     assert reference.chat(CONVERSATION, SamplingParams(max_tokens=1), use_tqdm=False,
                           tools=TOOLS)[0].prompt_token_ids == ids
+    out = reference.chat([USER], SamplingParams(max_tokens=1), use_tqdm=False,
+                         chat_template="[{{ messages[0].content }}|{{ tools[0].function.name }}]", tools=TOOLS)[0]
+    assert out.prompt_token_ids == tok.encode(f"[{USER['content']}|get_weather]", add_special_tokens=False)
 
 
 def test_tool_choice_none_keeps_the_tools_in_the_prompt_unless_excluded(url, engine):
@@ -269,21 +272,33 @@ def test_answer_is_the_engine_text_parsed(url, reference, tool_choice, kwargs):
 
 def test_reasoning_off_by_request_and_left_out(url, reference):
     body = {"messages": [USER], "max_tokens": 12, "temperature": 0}
-    thinking = post(url, body).json()["choices"][0]["message"]
+    r = post(url, body).json()
+    thinking = r["choices"][0]["message"]
     tok = reference.get_tokenizer()
-    raw = reference.generate({"prompt_token_ids": tok.apply_chat_template([USER], add_generation_prompt=True,
+    out = reference.generate({"prompt_token_ids": tok.apply_chat_template([USER], add_generation_prompt=True,
                                                                          tokenize=True, return_dict=False)},
                              SamplingParams(temperature=0, max_tokens=12, skip_special_tokens=False),
-                             use_tqdm=False)[0].outputs[0].text
+                             use_tqdm=False)[0].outputs[0]
     parser = Qwen3ReasoningParser()
-    reasoning, content = (a + b for a, b in zip(parser.feed(raw), parser.finish()))
+    reasoning, content = (a + b for a, b in zip(parser.feed(out.text), parser.finish()))
     assert (thinking["reasoning"], thinking["content"]) == (reasoning or None, content or None)
-    off = post(url, {**body, "chat_template_kwargs": {"enable_thinking": False}}).json()["choices"][0]["message"]
-    assert off["reasoning"] is None
-    hidden = post(url, {**body, "include_reasoning": False}).json()["choices"][0]["message"]
-    assert hidden["reasoning"] is None and hidden["content"] == thinking["content"]
-    chunks = streamed(url, {**body, "include_reasoning": False})
-    assert all("reasoning" not in c["choices"][0]["delta"] for c in chunks if c["choices"])
+    vocab = tok.get_vocab()
+    assert r["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": Qwen3ReasoningParser.reasoning_tokens(out.token_ids, vocab)}
+    assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    r = post(url, {**body, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert r["choices"][0]["message"]["reasoning"] is None
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    # left out: no reasoning, and no logprobs, whose tokens would show it
+    hidden = post(url, {**body, "include_reasoning": False, "logprobs": True}).json()["choices"][0]
+    assert hidden["message"]["reasoning"] is None and hidden["message"]["content"] == thinking["content"]
+    assert hidden["logprobs"] is None
+    chunks = streamed(url, {**body, "include_reasoning": False, "logprobs": True})
+    assert all("reasoning" not in c["choices"][0]["delta"] and c["choices"][0]["logprobs"] is None
+               for c in chunks if c["choices"])
+    usage = streamed(url, {**body, "stream_options": {"include_usage": True}})[-1]["usage"]
+    assert usage["completion_tokens_details"] == {
+        "reasoning_tokens": Qwen3ReasoningParser.reasoning_tokens(out.token_ids, vocab)}
 
 
 # ----- the openai client -----

@@ -109,6 +109,9 @@ def test_hermes_call_cut_short_keeps_what_was_sent():
     assert content == "" and calls[0]["name"] == "get_weather" and calls[0]["arguments"] == '{"city": "Par'
     content, calls = parse_everywhere(HermesToolParser, '<tool_call>{"name": "f", "arguments": {"a": oops}} Then')
     assert content == "" and calls[0]["arguments"] == '{"a": '
+    # arguments that never started are an empty object
+    for text in ('<tool_call>{"name": "f", "arguments": ', '<tool_call>{"name": "f", "arguments": oops}'):
+        assert parse_everywhere(HermesToolParser, text)[1][0]["arguments"] == "{}"
 
 
 def test_hermes_content_is_the_text_before_the_first_call():
@@ -223,6 +226,14 @@ def test_qwen3_answer_starts_in_reasoning_unless_the_prompt_closed_it():
     assert opens([1, 6, 10, 7], vocab)  # ... "<think>\n"
     assert not opens([1, 6, 10, 7, 11, 7], vocab)  # ... "<think>\n\n</think>\n\n": thinking off
     assert opens([1, 6, 10, 11, 2, 1, 6], vocab)  # a closed block of an earlier turn does not count
+
+
+def test_qwen3_reasoning_tokens_are_those_before_its_end():
+    vocab = {"<think>": 10, "</think>": 11, "<tool_call>": 12}
+    count = Qwen3ReasoningParser.reasoning_tokens
+    assert count([10, 5, 6, 11, 7, 8], vocab) == 2
+    assert count([5, 6, 12, 7], vocab) == 2  # a call ends it
+    assert count([10, 5, 6], vocab) == 2  # never closed: all of it
 
 
 # ----- both: a choice's parser -----

@@ -220,9 +220,12 @@ class Formatter:
             })
         return {"content": content}
 
-    def _chat_logprobs_of(self, req: ChatCompletionRequest, c: CompletionOutput, start: int) -> dict | None:
+    def _chat_logprobs_of(self, req: ChatCompletionRequest, c: CompletionOutput, start: int,
+                          parsing: ChatParsing | None = None) -> dict | None:
         if not req.logprobs or c.logprobs is None:
             return None
+        if parsing is not None and parsing.reasoning is not None and not parsing.include_reasoning:
+            return None  # the tokens would show the reasoning left out (vLLM leaves them out too)
         ids = c.token_ids
         return self.chat_logprobs(ids[start:], c.logprobs[start: len(ids)], req.top_logprobs or 0)
 
@@ -238,7 +241,7 @@ class Formatter:
             message.update(content=echo + (content or "") if echo else content, reasoning=reasoning or None,
                            tool_calls=calls)
             finish_reason = parsing.finish_reason(finish_reason, bool(calls))
-        return {"index": c.index, "message": message, "logprobs": self._chat_logprobs_of(req, c, 0),
+        return {"index": c.index, "message": message, "logprobs": self._chat_logprobs_of(req, c, 0, parsing),
                 "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
     def chat_delta(self, req: ChatCompletionRequest, c: CompletionOutput, state: dict[int, _Sent],
@@ -267,7 +270,7 @@ class Formatter:
                 finish_reason = parsing.finish_reason(finish_reason, bool(s.parser.calls))
         if not (delta or finished):
             return None  # nothing to send yet: the tokens' logprobs go out with the next chunk
-        logprobs = self._chat_logprobs_of(req, c, s.tokens)
+        logprobs = self._chat_logprobs_of(req, c, s.tokens, parsing)
         s.text, s.tokens, s.done = max(s.text, len(c.text)), len(c.token_ids), finished
         return {"index": c.index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason if finished else None,

@@ -347,10 +347,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # chat, with --reasoning-parser
 
 
 class PromptLogprob(BaseModel):

@@ -43,6 +43,18 @@ class Qwen3ReasoningParser:
                 return True
         return True
 
+    @classmethod
+    def reasoning_tokens(cls, token_ids: list[int], vocab: dict[str, int]) -> int:
+        """How many of an answer's tokens (one that starts in the reasoning) are reasoning: those before its end,
+        the markers not counted."""
+        start, ends = vocab.get(cls.START), {vocab[m] for m in (cls.END, cls.CALL) if m in vocab}
+        n = 0
+        for t in token_ids:
+            if t in ends:
+                break
+            n += t != start
+        return n
+
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of the next piece of text."""
         if not self.in_reasoning:

@@ -45,7 +45,8 @@ class ServingChat(OpenAIServing):
         self.reasoning_vocab: dict[str, int] = {}
         if self.reasoning_parser is not None and self.tokenizer is not None:
             vocab = self.tokenizer.get_vocab()
-            markers = (self.reasoning_parser.START, self.reasoning_parser.END, *self.reasoning_parser.TURN_MARKERS)
+            parser = self.reasoning_parser
+            markers = (parser.START, parser.END, parser.CALL, *parser.TURN_MARKERS)
             self.reasoning_vocab = {m: vocab[m] for m in markers if m in vocab}
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
@@ -78,7 +79,17 @@ class ServingChat(OpenAIServing):
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx by to_api_error
             raise to_api_error(e) from None
         return {**head, "choices": [self.fmt.chat_choice(req, out, c, echo, parsing) for c in out.outputs],
-                "usage": usage([out]), "prompt_logprobs": self.fmt.prompt_logprobs(req, out)}
+                "usage": self._usage(out, parsing), "prompt_logprobs": self.fmt.prompt_logprobs(req, out)}
+
+    def _usage(self, out, parsing: ChatParsing | None) -> dict:
+        """vLLM's usage; with --reasoning-parser also the count of reasoning tokens."""
+        body = usage([out])
+        if self.reasoning_parser is not None:
+            counted = parsing is not None and parsing.in_reasoning
+            body["completion_tokens_details"] = {"reasoning_tokens": sum(
+                self.reasoning_parser.reasoning_tokens(c.token_ids, self.reasoning_vocab) for c in out.outputs
+            ) if counted else 0}
+        return body
 
     def _check_tool_choice(self, req: ChatCompletionRequest) -> None:
         """vLLM's rule: a tool choice other than "none" needs a tool-call parser, "auto" also allows
@@ -130,5 +141,5 @@ class ServingChat(OpenAIServing):
             yield sse_error(e)
         else:
             if req.include_usage:
-                yield sse({**head, "choices": [], "usage": usage([last])})
+                yield sse({**head, "choices": [], "usage": self._usage(last, parsing)})
         yield "data: [DONE]\n\n"

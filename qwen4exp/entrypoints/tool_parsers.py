@@ -23,11 +23,12 @@ A parser is fed the text as it is generated, in pieces split anywhere (a tag may
 returns what has become certain: content, and ToolCallDeltas (a call's first delta carries its id and name, the
 following ones append to its arguments). The whole text at once goes the same way, so a streamed answer adds up to
 the non-streamed one exactly. Arguments are JSON in json.dumps's form (", " and ": " separators, no ASCII escapes)
-whatever spacing the model used, streamed as they arrive: a string value of a hermes call or a string parameter of
-qwen3_coder character by character, any other parameter once it is complete. A block that opens like a call but
-holds none (`<tool_call>` in prose, JSON that is not a call) stays content; a call whose arguments break off after
-its name was sent ends with the arguments sent. Whitespace at the ends of the content is markup once a call was
-made (as vLLM strips it), so content that is only whitespace is none.
+whatever spacing the model used, streamed as they arrive: a hermes call's JSON value by value (a string character
+by character), a qwen3_coder string parameter character by character, any other parameter once it is complete. A
+block that opens like a call but holds none (`<tool_call>` in prose, JSON that is not a call) stays content; a call
+whose arguments break off after its name was sent ends with the arguments sent (an empty object when none were).
+Whitespace next to a call is markup unless it separates content before the call from content after it (vLLM strips
+the content of a call's answer), so content that is only whitespace is none.
 """
 
 from __future__ import annotations
@@ -382,6 +383,7 @@ class HermesToolParser(ToolParser):
         self._call_name = ""
         self._depth = 0
         self._committed = False
+        self._args_started = False
 
     def _step(self, final: bool) -> bool:
         if self._phase != "close":
@@ -396,7 +398,7 @@ class HermesToolParser(ToolParser):
                         if not self._committed:
                             raise _NotACall from None
                         self._buf = buf[n:]
-                        return self._end_block()
+                        return self._end_call()
                     self._raw += ch
                     n += 1
                     for t in tokens:
@@ -409,7 +411,7 @@ class HermesToolParser(ToolParser):
             if self._phase != "close":
                 if not final:
                     return False
-                return self._end_block() if self._committed else self._not_a_call(self._raw)
+                return self._end_call() if self._committed else self._not_a_call(self._raw)
         stripped = self._buf.lstrip()
         if stripped.startswith(self.CLOSER):
             self._buf = stripped[len(self.CLOSER):]
@@ -419,8 +421,15 @@ class HermesToolParser(ToolParser):
         self._buf = stripped
         return self._end_block()
 
+    def _end_call(self) -> bool:
+        """The call ends before its object did: arguments that never started are an empty object."""
+        if self._phase == "args" and not self._args_started:
+            self._args("{}")
+        return self._end_block()
+
     def _token(self, t: tuple) -> None:
         if self._phase == "args":
+            self._args_started = True
             self._args(_json_text(t))
             if t[0] == "open":
                 self._depth += 1
