@@ -270,6 +270,54 @@ def test_answer_is_the_engine_text_parsed(url, reference, tool_choice, kwargs):
         assert choice["finish_reason"] in ("stop", "length")
 
 
+def test_a_forced_call_with_the_request_fields(url, reference):
+    """return_token_ids, return_prompt_text, return_tokens_as_token_ids, request_id, stream_interval and
+    truncate_prompt_tokens work on an answer that is parsed into calls; the forced call's start ends the prompt."""
+    tok = reference.get_tokenizer()
+    body = {"messages": [USER], "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 16, "temperature": 0,
+            "return_token_ids": True, "return_prompt_text": True, "logprobs": True,
+            "return_tokens_as_token_ids": True, "request_id": "forced-1"}
+    want = expected_answer(reference, [USER], NAMED, {}, 16)
+    r = post(url, body).json()
+    assert r["id"] == "chatcmpl-forced-1"
+    prefix = HermesToolParser.forced_prefix("get_weather")
+    assert r["prompt_text"].endswith("<|im_start|>assistant\n" + prefix)
+    assert r["prompt_token_ids"] == tok.encode(r["prompt_text"], add_special_tokens=False)
+    assert len(r["prompt_token_ids"]) == want["prompt_tokens"]
+    choice = r["choices"][0]
+    assert without_ids(choice["message"]) == without_ids(want["message"])
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert len(choice["token_ids"]) == r["usage"]["completion_tokens"]
+    chunks = streamed(url, {**body, "stream_interval": 3})
+    assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"] and chunks[0]["prompt_text"] == r["prompt_text"]
+    assert all(c["id"] == "chatcmpl-forced-1" for c in chunks)
+    deltas = [c["choices"][0] for c in chunks[1:]]
+    assert [t for d in deltas for t in d["token_ids"]] == choice["token_ids"]
+    assert [e["token"] for d in deltas for e in d["logprobs"]["content"]] == [
+        e["token"] for e in choice["logprobs"]["content"]]
+    stream = added_up(chunks)
+    stream["message"]["content"] = stream["message"]["content"] or ""  # a forced call's empty content
+    assert without_ids(stream["message"]) == without_ids(choice["message"])
+    # truncated from the left, the prompt keeps its end: the call's start
+    kept = post(url, {**body, "truncate_prompt_tokens": 12}).json()
+    assert kept["prompt_token_ids"] == r["prompt_token_ids"][-12:]
+    assert [c["function"]["name"] for c in kept["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_a_continued_final_message_gets_no_call_start(url):
+    """continue_final_message renders the assistant's message open for the model to go on: a forced call's start
+    is not added after it (as with add_generation_prompt false)."""
+    messages = [USER, {"role": "assistant", "content": "Let me check"}]
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "required", "max_tokens": 4, "temperature": 0,
+            "return_prompt_text": True}
+    for extra in ({"continue_final_message": True}, {"add_generation_prompt": False}):
+        r = post(url, {**body, **extra})
+        assert r.status_code == 200, r.text
+        assert "<tool_call>" not in r.json()["prompt_text"].rsplit("<|im_start|>", 1)[-1]
+    continued = post(url, {**body, "continue_final_message": True}).json()["prompt_text"]
+    assert continued.endswith("<|im_start|>assistant\nLet me check")
+
+
 def test_reasoning_off_by_request_and_left_out(url, reference):
     body = {"messages": [USER], "max_tokens": 12, "temperature": 0}
     r = post(url, body).json()
@@ -352,7 +400,7 @@ def scripted_outputs(tok, text: str, finish_reason: str) -> list[CompletionOutpu
                          ids=["auto", "one-call", "named", "no-reasoning"])
 def test_scripted_answer_streamed_adds_up_to_the_message(engine, reference, parser, request_fields):
     tok = reference.get_tokenizer()
-    serving = ServingChat(engine, None, MODEL, MAX_LEN, tool_call_parser=parser, reasoning_parser="qwen3",
+    serving = ServingChat(engine, None, [MODEL], MAX_LEN, tool_call_parser=parser, reasoning_parser="qwen3",
                           enable_auto_tool_choice=True)
     req = ChatCompletionRequest.model_validate({"messages": [USER], "tools": TOOLS, **request_fields})
     named = "tool_choice" in request_fields
@@ -361,7 +409,7 @@ def test_scripted_answer_streamed_adds_up_to_the_message(engine, reference, pars
     outputs = scripted_outputs(tok, SCRIPTS[parser], "stop")
     fmt = Formatter(tok)
     out = RequestOutput("r", None, [1], None, [outputs[-1]], True)
-    choice = fmt.chat_choice(req, out, outputs[-1], "", parsing)
+    choice = fmt.chat_choice(req, out, outputs[-1], "", parsing=parsing)
     message = choice["message"]
     assert message["content"] == "\n\nChecking."  # what follows </think>, up to the whitespace before a call
     assert message["reasoning"] == (None if request_fields.get("include_reasoning") is False else
@@ -375,11 +423,11 @@ def test_scripted_answer_streamed_adds_up_to_the_message(engine, reference, pars
     assert len({c["id"] for c in calls}) == len(calls)
     assert choice["finish_reason"] == ("stop" if named else "tool_calls")
     state = fmt.new_stream_state()
-    chunks = [{"choices": [d]} for o in outputs if (d := fmt.chat_delta(req, o, state, parsing)) is not None]
+    chunks = [{"choices": [d]} for o in outputs if (d := fmt.chat_delta(req, o, state, parsing=parsing)) is not None]
     assert len(chunks) > len(calls) + 2  # incremental: not one chunk at the end
     stream = added_up(chunks)
     assert without_ids(stream["message"]) == without_ids(message)
     assert stream["finish_reason"] == choice["finish_reason"]
     # a cut at max_tokens stays visible
     cut = scripted_outputs(tok, SCRIPTS[parser], "length")[-1]
-    assert fmt.chat_choice(req, out, cut, "", parsing)["finish_reason"] == "length"
+    assert fmt.chat_choice(req, out, cut, "", parsing=parsing)["finish_reason"] == "length"

@@ -10,8 +10,8 @@ Where vLLM constrains a "required" or named choice with a grammar, the prompt he
 
 from __future__ import annotations
 
+import dataclasses
 import time
-import uuid
 
 from fastapi import Request
 
@@ -36,8 +36,8 @@ _FIELDS = set(ChatCompletionRequest.model_fields)
 
 class ServingChat(OpenAIServing):
     def __init__(self, *args, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False, exclude_tools_when_tool_choice_none: bool = False):
-        super().__init__(*args)
+                 enable_auto_tool_choice: bool = False, exclude_tools_when_tool_choice_none: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
         self.tool_parser = TOOL_PARSERS[tool_call_parser] if tool_call_parser else None
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
@@ -53,7 +53,8 @@ class ServingChat(OpenAIServing):
         self.check_model(req.model)
         parse(_FIELDS, req.check_tool_use)
         self._check_tool_choice(req)
-        params = parse(_FIELDS, lambda: req.to_sampling_params(self.vocab_size))
+        params = parse(_FIELDS, lambda: req.to_sampling_params(self.vocab_size, self.defaults))
+        truncate = parse(_FIELDS, lambda: req.truncation(self.max_model_len))
         parsing = self._parsing(req)
         if parsing is not None or (self.tool_parser is not None and req.tools and req.tool_choice != "none"):
             # the parsers read tags that some tokenizers mark special (vLLM's parsers keep them too)
@@ -61,25 +62,45 @@ class ServingChat(OpenAIServing):
         tools = req.tools
         if req.tool_choice == "none" and self.exclude_tools_when_tool_choice_none:
             tools = None
-        prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template,
-                                            req.chat_template_kwargs, [t.for_template() for t in tools or []] or None,
-                                            parsing.prefix if parsing is not None else "")
+        rendered = await self.render_chat(
+            req.messages, req.generation_prompt, req.chat_template, req.chat_template_kwargs,
+            tools=[t.for_template() for t in tools or []] or None,
+            suffix=parsing.prefix if parsing is not None else "",
+            add_special_tokens=req.add_special_tokens, truncate=truncate, with_text=bool(req.return_prompt_text),
+            continue_final_message=req.continue_final_message or None, documents=req.documents)
+        prompt_ids, prompt_text = rendered if req.return_prompt_text else (rendered, None)
         if parsing is not None and parsing.reasoning is not None:
             parsing.in_reasoning = (not parsing.prefix and parsing.reasoning.thinking(req.chat_template_kwargs)
                                     and parsing.reasoning.starts_in_reasoning(prompt_ids, self.reasoning_vocab))
-        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await self.add_all(request_id, [prompt_ids], params, _FIELDS)
+        if params.max_tokens is None and "max_tokens" in self.defaults:
+            # the generation config's max_new_tokens bounds what the context leaves (vLLM's get_max_tokens)
+            room = self.max_model_len - len(prompt_ids)
+            if room > 0:
+                params = dataclasses.replace(params, max_tokens=min(self.defaults["max_tokens"], room))
+        if params.bad_words:
+            params.bad_words_token_ids = await self.bad_words_ids(params.bad_words)
+        request_id, created = self.response_id("chatcmpl", raw, req.request_id), int(time.time())
+        streams = await self.add_all([prompt_ids], params, _FIELDS)
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": self.served_model_name}
         echo = self.fmt.chat_echo(req)
+        as_ids = req.tokens_as_ids(self.return_tokens_as_token_ids)
         if req.stream:
+            first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+            if prompt_text is not None:
+                first["prompt_text"] = prompt_text
             return SSEResponse(self._stream(req, {**head, "object": "chat.completion.chunk"}, streams[0], echo,
-                                            parsing), self.abort_all(streams))
+                                            as_ids, parsing, first, len(prompt_ids)), self.abort_all(streams))
         try:
             (out,) = await run_until_disconnect(raw, self.final_outputs(streams))
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx by to_api_error
             raise to_api_error(e) from None
-        return {**head, "choices": [self.fmt.chat_choice(req, out, c, echo, parsing) for c in out.outputs],
+        body = {**head, "choices": [self.fmt.chat_choice(req, out, c, echo, as_ids, parsing) for c in out.outputs],
                 "usage": self._usage(out, parsing), "prompt_logprobs": self.fmt.prompt_logprobs(req, out)}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = out.prompt_token_ids
+        if prompt_text is not None:
+            body["prompt_text"] = prompt_text
+        return body
 
     def _usage(self, out, parsing: ChatParsing | None) -> dict:
         """vLLM's usage; with --reasoning-parser also the count of reasoning tokens."""
@@ -117,26 +138,35 @@ class ServingChat(OpenAIServing):
             parsing.tools = [t.for_template() for t in req.tools]
             parsing.forced, parsing.named = forced, named is not None
             parsing.max_calls = 1 if named is not None or req.parallel_tool_calls is False else None
-            if forced and req.add_generation_prompt:
+            if forced and req.generation_prompt:
                 parsing.prefix = self.tool_parser.forced_prefix(named)
         return parsing
 
-    async def _stream(self, req: ChatCompletionRequest, head: dict, stream: RequestStream, echo: str,
-                      parsing: ChatParsing | None):
+    async def _stream(self, req: ChatCompletionRequest, head: dict, stream: RequestStream, echo: str, as_ids: bool,
+                      parsing: ChatParsing | None, first: dict, num_prompt_tokens: int):
+        """`first`: what the first chunk carries besides the role (prompt_token_ids, prompt_text)."""
         state = self.fmt.new_stream_state()
-        extra = {"usage": None} if req.include_usage else {}
+
+        def extra(completion_tokens: int | None = None) -> dict:
+            if not req.include_usage:
+                return {}
+            if not req.continuous_usage or completion_tokens is None:
+                return {"usage": None}
+            return {"usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": num_prompt_tokens + completion_tokens}}
+
         for i in range(req.n):  # the role comes first, as in OpenAI's and vLLM's streams
             delta = {"role": "assistant", "content": echo}
             yield sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
-                       **extra})
+                       **(first if i == 0 else {}), **extra(0)})
         last = None
         try:
             async for out in self.engine.stream_outputs(stream):
                 last = out
                 for c in out.outputs:
-                    choice = self.fmt.chat_delta(req, c, state, parsing)
+                    choice = self.fmt.chat_delta(req, c, state, as_ids, parsing)
                     if choice is not None:
-                        yield sse({**head, "choices": [choice], **extra})
+                        yield sse({**head, "choices": [choice], **extra(len(c.token_ids))})
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
             yield sse_error(e)
         else:
