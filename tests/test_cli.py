@@ -181,6 +181,23 @@ def test_python_m_qwen4exp_generate_builds_the_default_model_once(tmp_path):
     assert f"using the random-weight tiny model in {path}" in runs[1].stderr
 
 
+def test_serve_tool_calling_flags(capsys):
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+                                      "--reasoning-parser", "qwen3", "--exclude-tools-when-tool-choice-none"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser,
+            args.exclude_tools_when_tool_choice_none) == (True, "qwen3_coder", "qwen3", True)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.enable_auto_tool_choice, defaults.tool_call_parser, defaults.reasoning_parser,
+            defaults.exclude_tools_when_tool_choice_none) == (False, None, None, False)
+    for flags, error in [(["--tool-call-parser", "nope"], "--tool-call-parser"),
+                         (["--reasoning-parser", "deepseek"], "--reasoning-parser"),
+                         # refused before a model is loaded or built
+                         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser")]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", *flags])
+        assert e.value.code == 2 and error in capsys.readouterr().err
+
+
 def test_version(capsys):
     import qwen4exp
 

@@ -12,6 +12,8 @@ from ..config import EngineConfig
 from ..logger import configure_logging
 from .default_model import add_model_option, resolve_model
 from .protocol import DEFAULT_MAX_REQUEST_BODY_BYTES
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
 
 
 def _make_random(args) -> None:
@@ -86,6 +88,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "otherwise")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer every request with an X-Request-Id header: the request's own, else a random one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse the model's tool calls when a request has tools and tool_choice \"auto\" (its "
+                        "default with tools); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3), qwen3_coder "
+                        "(<tool_call><function=...> XML, Qwen3-Coder); needed by tool_choice other than \"none\"")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave the tools out of the prompt of a request with tool_choice \"none\"")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the answer's reasoning (<think>...</think>) into message.reasoning: qwen3")
     p.add_argument("--renderer-num-workers", type=_positive_int, default=2,
                    help="processes that render chat templates and tokenize (default: %(default)s)")
     p.add_argument("--renderer-timeout", type=_positive_float, default=30.0,

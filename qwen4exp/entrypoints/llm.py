@@ -9,7 +9,7 @@ from dataclasses import fields
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
 from ..engine.request import RequestOutput, SamplingParams
-from .protocol import text_of_parts
+from .protocol import ChatCompletionTool, ChatMessage
 
 
 class LLM:
@@ -57,18 +57,22 @@ class LLM:
             for rid in ids:
                 self.llm_engine.abort_request(rid)
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """`messages` is one conversation (list of {"role", "content"}) or a list of conversations; a content may be
-        a list of text parts ({"type": "text", "text": ...}), joined by newlines as the server does."""
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """`messages` is one conversation (list of {"role", "content", ...}) or a list of conversations, rendered
+        as the server renders them: a content may be a list of text parts ({"type": "text", "text": ...}, joined by
+        newlines), an assistant's `tool_calls`, a tool's `tool_call_id`, `reasoning`. `tools` ({"type": "function",
+        "function": {name, description, parameters}}) go to the template; `chat_template` replaces the tokenizer's.
+        The outputs are the model's raw text, calls included (as vLLM's LLM.chat)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        conversations = [[{**m, "content": text_of_parts(m["content"], "messages")}
-                          if isinstance(m.get("content"), list) else m for m in conv] for conv in conversations]
         tok = self.get_tokenizer()
+        tools = [ChatCompletionTool.model_validate(t).for_template() for t in tools] if tools else None
         prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                         tokenize=True, return_dict=False,
-                                                         **(chat_template_kwargs or {}))}
+            {"prompt_token_ids": tok.apply_chat_template(
+                [ChatMessage.model_validate(m).for_template() for m in conv], tools=tools,
+                chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False, **(chat_template_kwargs or {}))}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,6 +1,8 @@
 """RequestOutput -> OpenAI response pieces: completion and chat choices, streaming deltas, logprobs and usage.
 
-RequestOutputs are cumulative; streams remember per choice how much text and how many tokens were sent.
+RequestOutputs are cumulative; streams remember per choice how much text and how many tokens were sent. A chat
+choice's text goes through the server's reasoning and tool-call parsers (ChatParsing) when the request uses them:
+streamed, each chunk's text is parsed as it comes, and the deltas add up to the non-streamed message.
 The logprob lists in an output are the engine's live lists (the engine thread may append to them while we read),
 so they are always sliced to the token ids the output carries.
 """
@@ -9,10 +11,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..engine.request import CompletionOutput, Logprob, RequestOutput
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning import Qwen3ReasoningParser
+from .tool_parsers import ToolCallDelta, ToolParser, merge_deltas
 
 
 def _lp(x: float) -> float:
@@ -38,12 +43,79 @@ def token_id_string(token_id: int) -> str:
 
 
 @dataclass
+class ChatParsing:
+    """How one chat request's choices are parsed: which parsers, and what the request asked of the calls."""
+
+    reasoning: type[Qwen3ReasoningParser] | None = None
+    in_reasoning: bool = True  # the answer starts inside the reasoning
+    include_reasoning: bool = True
+    tool_parser: type[ToolParser] | None = None
+    tools: list[dict] | None = None
+    prefix: str = ""  # the start of a call that ends the prompt (tool_choice "required" or a named function)
+    max_calls: int | None = None  # 1 for parallel_tool_calls false or a named function
+    forced: bool = False  # tool_choice "required" or a named function: content is "" rather than null
+    named: bool = False  # a named function: finish_reason stays "stop", as OpenAI's
+
+    def new_parser(self) -> ChoiceParser:
+        return ChoiceParser(self)
+
+    def finish_reason(self, engine_reason: str | None, called: bool) -> str | None:
+        """"tool_calls" for a choice with calls that stopped on its own (a cut at "length" stays visible)."""
+        return "tool_calls" if called and engine_reason == "stop" and not self.named else engine_reason
+
+
+class ChoiceParser:
+    """One choice's text -> reasoning, content and tool calls, fed as it is generated."""
+
+    def __init__(self, parsing: ChatParsing):
+        self.parsing = parsing
+        self.reasoning = parsing.reasoning(parsing.in_reasoning) if parsing.reasoning else None
+        self.tools = parsing.tool_parser(parsing.tools) if parsing.tool_parser else None
+        self.calls: dict[int, dict] = {}
+        self._prefix = parsing.prefix
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
+        """(reasoning, content, tool-call deltas) of the next piece of text; `final` at its end."""
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        if final and self.reasoning:
+            r, c = self.reasoning.finish()
+            reasoning, content = reasoning + r, content + c
+        content, self._prefix = self._prefix + content, ""
+        deltas: list[ToolCallDelta] = []
+        if self.tools:
+            content, deltas = self.tools.feed(content)
+            if final:
+                c, d = self.tools.finish()
+                content, deltas = content + c, merge_deltas(deltas + d)
+        limit = self.parsing.max_calls
+        out = []
+        for d in deltas:
+            if limit is not None and d.index >= limit:
+                continue
+            if d.id is not None:
+                self.calls[d.index] = {"id": d.id, "type": "function",
+                                       "function": {"name": d.name, "arguments": d.arguments}}
+                out.append({"index": d.index, "id": d.id, "type": "function",
+                            "function": {"name": d.name, "arguments": d.arguments}})
+            else:
+                self.calls[d.index]["function"]["arguments"] += d.arguments
+                out.append({"index": d.index, "function": {"arguments": d.arguments}})
+        if not self.parsing.include_reasoning:
+            reasoning = ""
+        return reasoning, content, out
+
+    def tool_calls(self) -> list[dict]:
+        return [self.calls[i] for i in sorted(self.calls)]
+
+
+@dataclass
 class _Sent:
     text: int = 0  # characters of generated text sent
     tokens: int = 0  # generated tokens whose logprobs were sent
     text_offset: int = 0  # completions logprobs: offset of the next token
     started: bool = False
     done: bool = False
+    parser: Any = field(default=None)  # chat: the choice's ChoiceParser
 
 
 class Formatter:
@@ -186,23 +258,34 @@ class Formatter:
         return {"content": content}
 
     def _chat_logprobs_of(self, req: ChatCompletionRequest, c: CompletionOutput, start: int,
-                          as_ids: bool) -> dict | None:
+                          as_ids: bool = False, parsing: ChatParsing | None = None) -> dict | None:
         if not req.logprobs or c.logprobs is None:
             return None
+        if parsing is not None and parsing.reasoning is not None and not parsing.include_reasoning:
+            return None  # the tokens would show the reasoning left out (vLLM leaves them out too)
         ids = c.token_ids
         return self.chat_logprobs(ids[start:], c.logprobs[start: len(ids)], req.top_logprobs or 0, as_ids)
 
     def chat_choice(self, req: ChatCompletionRequest, out: RequestOutput, c: CompletionOutput, echo: str,
-                    as_ids: bool = False) -> dict:
-        choice = {"index": c.index, "message": {"role": "assistant", "content": echo + c.text, "tool_calls": []},
-                  "logprobs": self._chat_logprobs_of(req, c, 0, as_ids), "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
+                    as_ids: bool = False, parsing: ChatParsing | None = None) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": echo + c.text, "reasoning": None, "tool_calls": []}
+        finish_reason = c.finish_reason
+        if parsing is not None:
+            parser = parsing.new_parser()
+            reasoning, content, _ = parser.feed(c.text, final=True)
+            calls = parser.tool_calls()
+            content = content or ("" if parsing.forced else None)
+            message.update(content=echo + (content or "") if echo else content, reasoning=reasoning or None,
+                           tool_calls=calls)
+            finish_reason = parsing.finish_reason(finish_reason, bool(calls))
+        choice = {"index": c.index, "message": message, "logprobs": self._chat_logprobs_of(req, c, 0, as_ids, parsing),
+                  "finish_reason": finish_reason, "stop_reason": c.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         return choice
 
     def chat_delta(self, req: ChatCompletionRequest, c: CompletionOutput, state: dict[int, _Sent],
-                   as_ids: bool = False) -> dict | None:
+                   as_ids: bool = False, parsing: ChatParsing | None = None) -> dict | None:
         s = state[c.index]
         if s.done:
             return None
@@ -210,9 +293,28 @@ class Formatter:
         new_text = c.text[s.text:]
         if not (new_text or finished) or self._held_for_interval(req, s, len(c.token_ids), finished):
             return None
-        logprobs = self._chat_logprobs_of(req, c, s.tokens, as_ids)
-        choice = {"index": c.index, "delta": {"content": new_text} if new_text else {}, "logprobs": logprobs,
-                  "finish_reason": c.finish_reason if finished else None,
+        finish_reason = c.finish_reason
+        if parsing is None:
+            delta: dict[str, Any] = {"content": new_text} if new_text else {}
+        else:
+            if s.parser is None:
+                s.parser = parsing.new_parser()
+            reasoning, content, calls = s.parser.feed(new_text, final=finished)
+            s.text = max(s.text, len(c.text))  # the parser holds what it did not send yet
+            delta = {}
+            if reasoning:
+                delta["reasoning"] = reasoning
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = calls
+            if finished:
+                finish_reason = parsing.finish_reason(finish_reason, bool(s.parser.calls))
+        if not (delta or finished):
+            return None  # nothing to send yet: the tokens (ids, logprobs) go out with the next chunk
+        logprobs = self._chat_logprobs_of(req, c, s.tokens, as_ids, parsing)
+        choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason if finished else None,
                   "stop_reason": c.stop_reason if finished else None}
         if req.return_token_ids:
             choice["token_ids"] = list(c.token_ids[s.tokens:])

@@ -12,6 +12,7 @@ serving modules; their models here only document them.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Annotated, Any, ClassVar, Literal
@@ -113,17 +114,82 @@ def text_of_parts(parts: list, field: str) -> str:
     return "\n".join(texts)
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call in an assistant message of the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+    def for_template(self) -> dict[str, Any]:
+        # chat templates take the arguments as a mapping (transformers' convention, as vLLM passes them); text that
+        # is no JSON object becomes {} rather than failing every later turn of the conversation, as in vLLM
+        args = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except ValueError:
+                args = {}
+        call = {"type": "function", "function": {"name": self.function.name,
+                                                 "arguments": args if isinstance(args, dict) else {}}}
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class ChatMessage(BaseModel):
-    # name, tool_calls... go to the template as is
+    # other fields go to the template as they are
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer to that call
+    # an assistant's reasoning (vLLM's name; `reasoning_content` is its older one): templates get it under both
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def for_template(self) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             msg["content"] = text_of_parts(self.content, "messages")
+        elif self.content is None:  # an assistant's turn that only calls tools
+            msg["content"] = ""
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        else:
+            msg.pop("tool_calls", None)
         return msg
 
 
@@ -372,6 +438,11 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_prompt_text: bool | None = Field(None, description="Add the rendered prompt as `prompt_text`.")
+    tools: list[ChatCompletionTool] | None = None
+    # left out: "auto" when there are tools, else "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
     # OpenAI fields vLLM does not model
@@ -386,6 +457,31 @@ class ChatCompletionRequest(_SamplingRequest):
     verbosity: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = _UNSUPPORTED_CHAT
+
+    @model_validator(mode="after")
+    def _default_tool_choice(self):
+        if "tool_choice" not in self.model_fields_set:
+            self.tool_choice = "auto" if self.tools else "none"
+        return self
+
+    def check_tool_use(self) -> None:
+        """vLLM's checks of `tools` against `tool_choice`."""
+        if self.tools is not None and not self.tools:
+            raise RequestError("tools: must not be an empty array; give at least one tool or leave the field out",
+                               "tools")
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if self.tools is None:
+            raise RequestError("tool_choice: when using `tool_choice`, `tools` must be set", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and not any(t.function.name == choice.function.name
+                                                           for t in self.tools):
+            raise RequestError(f"tool_choice: the function {choice.function.name!r} it names is not among `tools`",
+                               "tool_choice")
+
+    @property
+    def named_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     @model_validator(mode="after")
     def _check_chat_rules(self):
@@ -423,6 +519,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -459,10 +556,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # chat, with --reasoning-parser
 
 
 class PromptLogprob(BaseModel):
@@ -517,10 +619,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
-    tool_calls: list[dict[str, Any]]
+    content: str | None
+    reasoning: str | None  # with --reasoning-parser
+    tool_calls: list[ToolCall]  # with --tool-call-parser
 
 
 class ChatChoice(BaseModel):

@@ -47,11 +47,13 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from .reasoning import REASONING_PARSERS
 from .render_pool import RenderPool
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_engine import APIError, error_response, to_api_error
 from .serving_tokenization import ServingTokenization
+from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("qwen4exp")
 
@@ -159,11 +161,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api
               trust_request_chat_template: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, renderer_num_workers: int = 2,
               renderer_timeout: float = 30.0, return_tokens_as_token_ids: bool = False,
-              enable_request_id_headers: bool = False) -> FastAPI:
+              enable_request_id_headers: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     """The app over a started AsyncEngine. Every name of `served_model_name` is accepted as `model`, and the first
     is the one responses carry and the metrics' model_name label: an engine started under another name gets fresh
     metrics (build the app before serving). Its render pool's processes start here and stop with the app's lifespan
     (uvicorn's shutdown, or leaving a TestClient)."""
+    check_parser_options(tool_call_parser, reasoning_parser, enable_auto_tool_choice)
     engine = async_engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if engine.engine.served_model_name != names[0]:
@@ -172,7 +177,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api
     pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
     args = (engine, pool, names, max_model_len, chat_template, trust_request_chat_template,
             return_tokens_as_token_ids)
-    completion, chat, tokenization = ServingCompletion(*args), ServingChat(*args), ServingTokenization(*args)
+    completion, tokenization = ServingCompletion(*args), ServingTokenization(*args)
+    chat = ServingChat(*args, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                       enable_auto_tool_choice=enable_auto_tool_choice,
+                       exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -289,6 +297,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api
     return app
 
 
+def check_parser_options(tool_call_parser: str | None, reasoning_parser: str | None,
+                         enable_auto_tool_choice: bool) -> None:
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: unknown parser {tool_call_parser!r} (one of {sorted(TOOL_PARSERS)})")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: unknown parser {reasoning_parser!r} (one of {sorted(REASONING_PARSERS)})")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: --enable-auto-tool-choice needs --tool-call-parser")
+
+
 def engine_config_from_args(args) -> EngineConfig:
     """The EngineConfig of `qwen4exp serve`'s argparse `args`; the step budget defaults to the server's."""
     config = EngineConfig.from_cli_args(args)
@@ -402,6 +420,7 @@ def run_server(args) -> None:
     # wrong flags, a wrong template path and a port in use fail before the model loads
     config = engine_config_from_args(args)
     chat_template = load_chat_template(args.chat_template)
+    check_parser_options(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice)
     stats_interval = log_stats_interval()
     sock = bind_socket(args.host, args.port)
     try:
@@ -418,7 +437,10 @@ def run_server(args) -> None:
                             max_request_body_bytes=args.max_request_body_bytes,
                             renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout,
                             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                            enable_request_id_headers=args.enable_request_id_headers)
+                            enable_request_id_headers=args.enable_request_id_headers,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
             logger.info("serving %s as %s on http://%s:%d (OpenAI API under /v1)", model,
                         ", ".join(map(repr, names)), args.host, args.port)
             asyncio.run(serve(app, async_engine, sock, args.shutdown_timeout, args.uvicorn_log_level))

@@ -247,11 +247,12 @@ class OpenAIServing:
         return value
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None,
-                          kwargs: dict | None, *, add_special_tokens: bool = False,
-                          truncate: tuple[int, str] | None = None, with_text: bool = False, **template_vars):
-        """The token ids of the conversation as the chat template renders it (with the rendered text, as (ids,
-        text), when `with_text`). `template_vars` (continue_final_message, documents) go to the template over the
-        request's chat_template_kwargs."""
+                          kwargs: dict | None, *, tools: list[dict] | None = None, suffix: str = "",
+                          add_special_tokens: bool = False, truncate: tuple[int, str] | None = None,
+                          with_text: bool = False, **template_vars):
+        """The token ids of the conversation (and `tools`) as the chat template renders it, then `suffix` (with the
+        rendered text, as (ids, text), when `with_text`). `template_vars` (continue_final_message, documents) go to
+        the template over the request's chat_template_kwargs."""
         template = self.template_for(template, kwargs)
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
         kwargs.update({k: v for k, v in template_vars.items() if v is not None})
@@ -259,7 +260,7 @@ class OpenAIServing:
         try:
             rendered = await self._pool("messages").render_chat(
                 conversation, add_generation_prompt, template, kwargs, self.max_prompt_chars, self.max_model_len,
-                add_special_tokens, truncate, with_text)
+                tools, suffix, add_special_tokens, truncate, with_text)
         except RenderError as e:
             raise APIError(400, f"messages: the chat template could not be applied: {e}", "messages") from None
         ids = rendered[0] if with_text else rendered
