@@ -487,3 +487,38 @@ def test_stats_line_reports_the_acceptance(tiny_dir, caplog):
     caplog.clear()
     stats.log(start + 20.0)
     assert "SpecDecoding" not in caplog.text  # no drafts in the interval
+
+
+# ----- the GPU dispatch -----
+
+@pytest.mark.slow
+def test_gpu_dispatch_verifies_as_the_reference(tmp_path, monkeypatch):
+    """The ops' GPU paths (Triton kernels in the interpreter): decodes, verified requests and prefill chunks in one
+    step (GDN's recurrent kernel storing the state after each verified row, the conv's token states before its
+    varlen kernels) give decoding's tokens and logprobs without speculation, with drafts half right. (QSA is dense
+    here: its batched selection may break ties between equal block scores otherwise than the reference.)"""
+    import qwen4exp.ops as ops
+
+    tiny_dir = make_random(str(tmp_path / "dense"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 128})
+    rng = random.Random(11)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 24))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(2, 7), ignore_eos=True, logprobs=1))
+                for i in range(4)]
+    small = dict(ENGINE, num_pages=64, max_num_batched_tokens=12, max_num_seqs=4)
+    expected = serve(LLM(tiny_dir, **small), requests)
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    llm = LLM(tiny_dir, **small, speculative_config=speculative(2))
+    engine = llm.llm_engine
+    engine.spec.proposer = ScriptedProposer({rid: o.outputs[0].token_ids for rid, o in expected.items()},
+                                            wrong_half)
+    steps = []
+    execute = engine.runner.execute
+
+    def recorded(chunks, *args, **kwargs):
+        steps.append([(len(c.token_ids), c.state_token_slots is not None) for c in chunks])
+        return execute(chunks, *args, **kwargs)
+    engine.runner.execute = recorded
+    assert_same_outputs(serve(llm, requests), expected, requests)
+    assert any({(1, False)} & set(s) and any(v for _, v in s) and any(n > 1 and not v for n, v in s) for s in steps), \
+        "a step must hold a decode, a verified request and a prefill chunk"
+    assert engine.cache.all_free()
