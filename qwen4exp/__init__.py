@@ -1,7 +1,7 @@
 """qwen4exp: inference engine and OpenAI-compatible server for the Qwen4-Exp architecture."""
 
-from .engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from .engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams, StructuredOutputsParams
 from .entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

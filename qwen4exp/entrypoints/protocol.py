@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WrapValidator, model_validator
 
-from ..engine.request import SamplingParams
+from ..engine.request import SamplingParams, StructuredOutputsError, StructuredOutputsParams
 
 # vLLM's default --max-logprobs: the top-k lists are built per token in Python, so k must stay small
 MAX_LOGPROBS = 20
@@ -77,6 +77,29 @@ class ChatMessage(BaseModel):
         return msg
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel.schema
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field (StructuredOutputsParams): exactly one constraint."""
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingRequest(OpenAIBaseModel):
     model: str | None = None
     n: int = Field(1, le=128)
@@ -101,10 +124,39 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def structured_outputs_field(self) -> str:
+        """The request field the constraint comes from, for errors about it (response_format wins, as in vLLM)."""
+        rf = self.response_format
+        return "response_format" if rf is not None and rf.type != "text" else "structured_outputs"
+
+    def _structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint of `structured_outputs`, with `response_format`'s replacing the one of its kind (vLLM's
+        merge)."""
+        so = self.structured_outputs
+        kwargs = {} if so is None else {"json": so.json_schema, "regex": so.regex, "choice": so.choice,
+                                        "grammar": so.grammar, "json_object": so.json_object,
+                                        "disable_any_whitespace": so.disable_any_whitespace}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            kwargs["json_object"] = True
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise RequestError("response_format: type json_schema needs json_schema.schema", "response_format")
+            kwargs["json"] = rf.json_schema.json_schema
+        if not kwargs:
+            return None
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except StructuredOutputsError as e:
+            raise RequestError(str(e), self.structured_outputs_field) from None
 
     def _sampling_params(self, vocab_size: int, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None) -> SamplingParams:
@@ -149,6 +201,7 @@ class _SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=bias or None,
+            structured_outputs=self._structured_outputs_params(),
         )
 
 

@@ -141,7 +141,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     engine = async_engine
     max_model_len = max_model_len or engine.config.max_model_len
     pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
-    args = (engine, pool, served_model_name, max_model_len, chat_template, trust_request_chat_template)
+    args = (engine, pool, served_model_name, max_model_len, chat_template, trust_request_chat_template,
+            renderer_timeout)
     completion, chat, tokenization = ServingCompletion(*args), ServingChat(*args), ServingTokenization(*args)
 
     @contextlib.asynccontextmanager

@@ -19,6 +19,7 @@ class ServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         params = parse(_FIELDS, lambda: req.to_sampling_params(self.vocab_size))
+        await self.compile_grammar(params, req.structured_outputs_field)
         prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template,
                                             req.chat_template_kwargs)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

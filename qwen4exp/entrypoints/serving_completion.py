@@ -21,6 +21,7 @@ class ServingCompletion(OpenAIServing):
         self.check_model(req.model)
         prompts = parse(_FIELDS, req.prompts)
         params = parse(_FIELDS, lambda: req.to_sampling_params(self.vocab_size))
+        await self.compile_grammar(params, req.structured_outputs_field)
         for p in prompts:
             if not isinstance(p, str):
                 self.check_ids(p, "prompt")

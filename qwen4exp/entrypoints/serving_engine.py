@@ -4,7 +4,9 @@ token ids in the render pool and requests into engine streams.
 
 Every client mistake is answered with a 4xx in the OpenAI error envelope {"error": {message, type, param, code}};
 only an engine failure is a 5xx. Prompts are bounded before they are tokenized: a text longer than max_model_len
-tokens can hold (the tokenizer's longest token, in characters, times max_model_len) is refused at once.
+tokens can hold (the tokenizer's longest token, in characters, times max_model_len) is refused at once. A
+structured-output request's grammar is compiled before the request reaches the engine, in a thread with a time
+limit, so an invalid or runaway schema, regex or grammar is a 400 and never holds up the engine thread.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.request import RequestOutput
+from ..engine.request import RequestOutput, SamplingParams, StructuredOutputsError
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from .openai_format import Formatter
 from .protocol import ChatMessage, param_of
@@ -27,6 +30,9 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                503: "ServiceUnavailableError"}
 # seconds a client should wait before it retries a 503 (a full queue drains in about that time)
 RETRY_AFTER_S = 1
+# grammar compilation: xgrammar's compiler releases the GIL, so these threads leave the event loop free. A thread
+# cannot be stopped: a compile past the time limit is answered with a 400 and finishes on its own
+_GRAMMAR_THREADS = ThreadPoolExecutor(2, thread_name_prefix="qwen4exp-grammar")
 
 
 class APIError(Exception):
@@ -148,8 +154,10 @@ def max_chars_per_token(tokenizer) -> int:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, pool: RenderPool | None, served_model_name: str, max_model_len: int,
-                 chat_template: str | None = None, trust_request_chat_template: bool = False):
+                 chat_template: str | None = None, trust_request_chat_template: bool = False,
+                 grammar_timeout_s: float = 30.0):
         self.engine, self.pool = engine, pool
+        self.grammar_timeout_s = grammar_timeout_s
         self.served_model_name, self.max_model_len = served_model_name, max_model_len
         self.chat_template, self.trust_request_chat_template = chat_template, trust_request_chat_template
         self.tokenizer = engine.tokenizer
@@ -230,6 +238,25 @@ class OpenAIServing:
         if isinstance(ids, int):
             raise self.too_long(ids, "messages")
         return ids
+
+    # ----- structured output -----
+    async def compile_grammar(self, params: SamplingParams, field: str) -> None:
+        """Compiles the grammar of a structured-output request (the engine then finds it compiled); an invalid one,
+        or one that takes longer than the time limit, is a 400 naming `field`."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        work = asyncio.get_running_loop().run_in_executor(_GRAMMAR_THREADS, self.engine.structured_outputs.compile,
+                                                          constraint)
+        try:
+            await asyncio.wait_for(work, self.grammar_timeout_s)
+        except TimeoutError:
+            raise APIError(400, f"{field}: compiling its grammar took longer than the time limit of "
+                                f"{self.grammar_timeout_s:g} s", field) from None
+        except StructuredOutputsError as e:
+            if field == "response_format":  # its schema arrived as structured_outputs.json
+                raise APIError(400, f"{field}: {e.reason}", field) from None
+            raise APIError(400, str(e), e.field) from None
 
     # ----- engine requests -----
     async def add_all(self, base_id: str, prompts: list, params, fields: set[str]) -> list[RequestStream]:
