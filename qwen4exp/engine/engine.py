@@ -215,7 +215,9 @@ class LLMEngine:
         outs = self._complete(done) if done is not None else []
         if launched is not None and launched.to_sample is not None:
             # the grammar masks needed the ids just read: the model already runs while they were read and accepted
-            launched.sampled = self._sample(launched.to_sample, launched.sample_reqs)
+            reqs = launched.sample_reqs
+            launched.sampled = self._sample(launched.to_sample, reqs,
+                                            [i for i, r in enumerate(reqs) if r.grammar is not None])
             launched.to_sample = None
         self._update_gauges()
         return outs
@@ -228,7 +230,8 @@ class LLMEngine:
         return not any(reads_history(r.params) for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
 
     def _launch(self, sched: SchedulerOutput, mixed_graphs: bool = True) -> "_Launched":
-        """Builds the chunks, runs the model and the sampler without waiting for them; advances the requests."""
+        """Builds the chunks, runs the model and the sampler without waiting for them (the sampler waits where a
+        grammar mask needs an id still in flight, see `step`); advances the requests."""
         n_ctx = self.model_config.ngram_size - 1
         prev = self._inflight
         chunks, spans = [], []
@@ -266,19 +269,19 @@ class LLMEngine:
                 logits_s = logits[to_device(sample_rows, logits.device)]
             else:
                 logits_s = logits
+            constrained = [i for i, r in enumerate(sample_reqs) if r.grammar is not None]
             # a grammar mask needs its sequence's every id: one still in flight defers the sampling (see `step`)
-            if any(r.grammar is not None and r.num_pending for r in sample_reqs):
+            if any(sample_reqs[i].num_pending for i in constrained):
                 to_sample = logits_s
             else:
-                sampled = self._sample(logits_s, sample_reqs)
+                sampled = self._sample(logits_s, sample_reqs, constrained)
             for req in sample_reqs:
                 req.num_pending += 1
         return _Launched(spans, logits if keep_logits else None, sample_reqs, sampled,
                          {r.request_id: i for i, r in enumerate(sample_reqs)}, to_sample)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampledBatch:
-        """Samples one row per request, the constrained rows under their grammar's mask."""
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], constrained: list[int]) -> SampledBatch:
+        """Samples one row per request, the `constrained` rows under their grammar's mask."""
         mask = None
         if constrained:
             mask = self.structured_outputs.bitmask(constrained, [reqs[i].grammar for i in constrained], len(reqs))

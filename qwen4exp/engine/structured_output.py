@@ -17,7 +17,6 @@ token inside a JSON string would be invisible in the text yet change what the mo
 from __future__ import annotations
 
 import json
-import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -27,25 +26,31 @@ import torch
 from .request import StructuredOutputsError, StructuredOutputsParams
 from .step_builder import to_device
 
-logger = logging.getLogger("qwen4exp")
-
 # compiled grammars kept for reuse (xgrammar's cache, by source); vLLM's default VLLM_XGRAMMAR_CACHE_MB
 GRAMMAR_CACHE_BYTES = 512 << 20
+# the value of each bit of a bitmask word (int32: bit 31 is the sign bit)
+_BIT_VALUES = [1 << k for k in range(31)] + [-(1 << 31)]
 
 
 @dataclass
 class GrammarMask:
-    """One step's grammar bitmask: `bitmask` row i constrains logits row i for each i in `rows` (None: every row).
-    On the logits' device; `rows` there too where the logits are on a GPU (xgrammar's CPU kernel reads a list)."""
+    """One step's grammar bitmask on the logits' device: bitmask row j constrains logits row rows[j]."""
 
-    bitmask: torch.Tensor  # [batch, ceil(vocab / 32)] int32
-    rows: list[int] | torch.Tensor | None
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, bit k of word w: id 32 w + k allowed
+    rows: torch.Tensor | None  # long; None: rows 0, 1, ... (every row of the batch is constrained)
+    bit_values: torch.Tensor  # [32] int32, _BIT_VALUES
 
+    @torch.inference_mode()  # the model's logits are inference tensors: only there may they change in place
     def apply(self, logits: torch.Tensor) -> None:
-        """Sets the logits the grammars forbid to -inf, in place; other rows stay as they are."""
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
+        """Sets the logits the grammars forbid to -inf, in place; other rows stay as they are. A few elementwise
+        kernels over the constrained rows, without compilation or host sync (xgrammar's Triton kernel does it in
+        one, but compiles anew for new batch-size classes while serving)."""
+        forbidden = (self.bitmask[:, :, None] & self.bit_values) == 0
+        forbidden = forbidden.flatten(1)[:, :logits.shape[-1]]
+        if self.rows is None:
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            logits[self.rows] = logits[self.rows].masked_fill(forbidden, float("-inf"))
 
 
 class StructuredOutputs:
@@ -59,7 +64,7 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._compiler = None
         self._batch = None  # BatchGrammarMatcher: fills many rows in parallel threads
-        self._host = self._device_mask = self._copied = None
+        self._host = self._device_mask = self._copied = self._bit_values = None
 
     # ----- grammars -----
     def compile(self, params: StructuredOutputsParams):
@@ -108,8 +113,8 @@ class StructuredOutputs:
 
     # ----- the step -----
     def bitmask(self, rows: list[int], matchers: list, num_rows: int) -> GrammarMask:
-        """Fills the bitmask rows `rows` (of a batch of `num_rows`) from `matchers` on the host and starts their
-        copy to the device (no wait)."""
+        """The mask of logits rows `rows` (of a batch of `num_rows`), one per matcher: filled on the host, its copy
+        to the device started (no wait)."""
         import xgrammar as xgr
 
         if self._host is None:
@@ -119,18 +124,17 @@ class StructuredOutputs:
             self._host = torch.empty(shape, dtype=xgr.bitmask_dtype, pin_memory=cuda)
             self._device_mask = torch.empty(shape, dtype=xgr.bitmask_dtype, device=self.device) if cuda else None
             self._copied = torch.cuda.Event() if cuda else None
+            self._bit_values = torch.tensor(_BIT_VALUES, dtype=torch.int32, device=self.device)
         elif self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host buffer (already, in practice)
-        self._batch.batch_fill_next_token_bitmask(matchers, self._host, rows)
-        every_row = len(rows) == num_rows
+        n = len(rows)
+        self._batch.batch_fill_next_token_bitmask(matchers, self._host[:n])
+        rows_t = None if n == num_rows else to_device(rows, self.device)
         if self._device_mask is None:
-            return GrammarMask(self._host[:num_rows], None if every_row else rows)
-        # rows past the last constrained one are not read: they need no copy
-        top = max(rows) + 1
-        self._device_mask[:top].copy_(self._host[:top], non_blocking=True)
+            return GrammarMask(self._host[:n], rows_t, self._bit_values)
+        self._device_mask[:n].copy_(self._host[:n], non_blocking=True)
         self._copied.record()
-        rows_device = None if every_row else to_device(rows, self.device, torch.int32)
-        return GrammarMask(self._device_mask[:num_rows], rows_device)
+        return GrammarMask(self._device_mask[:n], rows_t, self._bit_values)
 
 
 def choice_grammar(choices: list[str]) -> str:
