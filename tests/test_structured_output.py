@@ -234,6 +234,20 @@ def test_logprobs_are_those_of_the_masked_logits(llm):
     assert all(lp.logprob > -math.inf for lp in free.outputs[0].logprobs[0].values())
 
 
+def test_a_grammar_that_allows_nothing_ends_its_sequence_with_error(llm):
+    """min_tokens bans the stop ids where the grammar may only stop: the row allows no id, so its sample cannot
+    follow the grammar, and the sequence ends (as in vLLM) with finish_reason "error"; the engine goes on."""
+    so = StructuredOutputsParams(choice=["ab"])
+    bad, good = llm.generate(["x", "y"], [SamplingParams(min_tokens=8, max_tokens=20, structured_outputs=so),
+                                         SamplingParams(max_tokens=20, structured_outputs=so)], use_tqdm=False)
+    assert good.outputs[0].text == "ab" and good.outputs[0].finish_reason == "stop"
+    ids = bad.outputs[0].token_ids
+    assert bad.outputs[0].finish_reason == "error"
+    # the grammar's ids, then the one sampled where it allowed nothing
+    assert llm.get_tokenizer().decode(ids[:-1]) == "ab" and ids[-1] not in llm.llm_engine.eos_token_ids
+    assert llm.llm_engine.cache.all_free()
+
+
 def test_abort_frees_the_matchers(llm):
     engine = llm.llm_engine
     so = StructuredOutputsParams(json=RECORD, disable_any_whitespace=True)

@@ -97,7 +97,7 @@ class StructuredOutputs:
         sequence's stop ids; none given: the model's end-of-sequence ids)."""
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or self.stop_token_ids)
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or self.stop_token_ids or None)
 
     def _get_compiler(self):
         with self._lock:
