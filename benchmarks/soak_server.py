@@ -231,7 +231,7 @@ def main() -> None:
 
 
 def preemptions(engine) -> float:
-    return engine.metrics.registry.get_sample_value("qwen4exp:num_preemptions_total") or 0.0
+    return engine.metrics.total("vllm:num_preemptions_total")
 
 
 def _children() -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields
 
@@ -133,7 +134,11 @@ class ModelConfig:
     indexer_budget: int | None = None
     indexer_compress_ratio: int | None = None
     tie_word_embeddings: bool = False
+    # MTP (multi-token prediction) layers shipped for drafting, and the `mtp` sub-object's fields; see check_mtp
     mtp_num_hidden_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
+    mtp_use_dedicated_embeddings: bool = False
+    mtp_use_hidden_state_from_layer: int | None = None
     torch_dtype: str = "bfloat16"
     # a quantized checkpoint's quantization_config (a dict is read into QuantizationConfig)
     quantization_config: QuantizationConfig | None = None
@@ -145,6 +150,9 @@ class ModelConfig:
         if quant is not None and not isinstance(quant, QuantizationConfig):
             raw = quant.to_dict() if hasattr(quant, "to_dict") else quant  # transformers may hold it as an object
             object.__setattr__(self, "quantization_config", QuantizationConfig.from_dict(raw))
+        n = self.mtp_num_hidden_layers
+        if not self.mtp_layer_types and isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            object.__setattr__(self, "mtp_layer_types", (INDEXED,) * n)  # the sub-object's default
         _validate(self)
 
     # ----- derived quantities -----
@@ -171,6 +179,22 @@ class ModelConfig:
     @property
     def gdn_value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def check_mtp(self) -> None:
+        """Raise ConfigError, naming the field, unless the checkpoint's MTP layers can draft: at least one, all
+        attention layers, drafting from the last layer's hidden state with the model's own embeddings."""
+        if self.mtp_num_hidden_layers == 0:
+            raise ConfigError("mtp_num_hidden_layers", "is 0: the checkpoint has no MTP layer to draft with")
+        if any(t != INDEXED for t in self.mtp_layer_types):
+            raise ConfigError("mtp.layer_types",
+                              f"MTP layers must be attention layers, got {list(self.mtp_layer_types)}")
+        if self.mtp_use_dedicated_embeddings:
+            raise ConfigError("mtp_use_dedicated_embeddings",
+                              "only false is supported (the MTP layer reads the model's embed_tokens)")
+        if self.mtp_use_hidden_state_from_layer is not None:
+            raise ConfigError("mtp.mtp_use_hidden_state_from_layer",
+                              f"only null (the last layer's streams) is supported, got "
+                              f"{self.mtp_use_hidden_state_from_layer!r}")
 
     def ple_index(self, layer_idx: int) -> int | None:
         """Position of 0-based decoder layer `layer_idx` among the PLE layers, or None."""
@@ -202,12 +226,37 @@ class ModelConfig:
             eos_token_id=eos_first,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             torch_dtype=_dtype_name(getattr(hf, "dtype", None)),
-            mtp_num_hidden_layers=getattr(hf, "mtp_num_hidden_layers", 0) or 0,
+            **_mtp_fields(hf),
         )
         if not stop_token_ids and eos is not None:
             stop_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         kw["stop_token_ids"] = tuple(stop_token_ids)
         return cls(**kw)
+
+
+def _mtp_fields(hf) -> dict:
+    """The MTP fields of a config: `mtp_num_hidden_layers` (or vLLM's `num_nextn_predict_layers`, or the `mtp`
+    sub-object's `num_hidden_layers`), `mtp_use_dedicated_embeddings`, and the `mtp` sub-object's `layer_types` and
+    `mtp_use_hidden_state_from_layer`."""
+    sub = getattr(hf, "mtp", None)
+    if sub is None:
+        sub = {}
+    if not isinstance(sub, dict):
+        raise ConfigError("mtp", f"must be an object, got {sub!r}")
+    counts = {name: value for name, value in (
+        ("mtp_num_hidden_layers", getattr(hf, "mtp_num_hidden_layers", None)),
+        ("num_nextn_predict_layers", getattr(hf, "num_nextn_predict_layers", None)),
+        ("mtp.num_hidden_layers", sub.get("num_hidden_layers"))) if value is not None}
+    layers = next(iter(counts.values()), 0)
+    for name, value in counts.items():
+        if value != layers:
+            raise ConfigError(name, f"{value!r} differs from {next(iter(counts))}={layers!r}")
+    layer_types = sub.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, (list, tuple)):
+        raise ConfigError("mtp.layer_types", f"must be a list, got {layer_types!r}")
+    return dict(mtp_num_hidden_layers=layers, mtp_layer_types=normalise_layer_types(layer_types or ()),
+                mtp_use_dedicated_embeddings=getattr(hf, "mtp_use_dedicated_embeddings", None) or False,
+                mtp_use_hidden_state_from_layer=sub.get("mtp_use_hidden_state_from_layer"))
 
 
 def _dtype_name(dtype) -> str:
@@ -311,6 +360,15 @@ def _validate(c: ModelConfig) -> None:
         if c.eos_token_id is None:
             raise ConfigError("eos_token_id", "must be set when PLE layers are enabled")
         positive("ple_conv_kernel_size", "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by")
+    if not isinstance(c.mtp_num_hidden_layers, int) or isinstance(c.mtp_num_hidden_layers, bool) \
+            or c.mtp_num_hidden_layers < 0:
+        raise ConfigError("mtp_num_hidden_layers", f"must be a non-negative integer, got {c.mtp_num_hidden_layers!r}")
+    if len(c.mtp_layer_types) != c.mtp_num_hidden_layers:
+        raise ConfigError("mtp.layer_types", f"has {len(c.mtp_layer_types)} entries but mtp_num_hidden_layers is "
+                                             f"{c.mtp_num_hidden_layers}")
+    if not isinstance(c.mtp_use_dedicated_embeddings, bool):
+        raise ConfigError("mtp_use_dedicated_embeddings", f"must be true or false, got "
+                                                          f"{c.mtp_use_dedicated_embeddings!r}")
     if c.torch_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError("torch_dtype", f"unsupported dtype {c.torch_dtype!r}")
 
@@ -431,9 +489,94 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
-def _option(default, help: str, choices: tuple | None = None):
-    """An engine option: its default, its `--help` text and, where the values are a fixed set, their choices."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _option(default, help: str, choices: tuple | None = None, parse=None):
+    """An engine option: its default, its `--help` text, where the values are a fixed set their choices, and the
+    parser of its command-line value when that is not the field's type."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integers with a unit: k, m, g, t are powers of 1000 (`25.6k` = 25600), K, M, G, T powers of 1024
+    (`32K` = 32768, whole numbers only); a plain integer as is."""
+    text = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
+    if m is None:
+        return int(text)
+    number, unit = m.groups()
+    if unit.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(unit) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text}: a binary unit takes a whole number (did you mean "
+                                         f"{number}{unit.lower()}?)")
+    return int(number) * 1024 ** ("KMGT".index(unit) + 1)
+
+
+def max_model_len_arg(text: str) -> int | None:
+    """--max-model-len: a human_readable_int, or `auto` / -1 for the default (None)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(text)
+
+
+def json_object_arg(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+# generation_config.json's keys that supply request defaults, as vLLM reads them (max_new_tokens is max_tokens)
+GENERATION_PARAMS = {"repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float,
+                     "temperature": float, "top_k": int, "top_p": float, "min_p": float, "max_new_tokens": int,
+                     "skip_special_tokens": bool}
+
+
+def _check_generation_source(source: str, override: dict | None) -> None:
+    if not isinstance(source, str) or not source:
+        raise ConfigError("generation_config", f"must be auto, vllm or a folder, got {source!r}")
+    if source not in ("auto", "vllm") and not os.path.isfile(os.path.join(source, "generation_config.json")):
+        raise ConfigError("generation_config", f"no generation_config.json in {source!r} (a folder, auto or vllm)")
+    if override is not None and not isinstance(override, dict):
+        raise ConfigError("override_generation_config", f"must be a dict of sampling defaults, got {override!r}")
+    unknown = sorted(set(override or {}) - set(GENERATION_PARAMS))
+    if unknown:
+        raise ConfigError("override_generation_config",
+                          f"unknown keys {unknown} (known: {', '.join(GENERATION_PARAMS)})")
+
+
+def generation_defaults(model_dir: str | None, source: str = "auto", override: dict | None = None) -> dict:
+    """The sampling defaults of requests that leave them unset, as vLLM's `get_diff_sampling_param`: the
+    GENERATION_PARAMS set in generation_config.json (of the model for `auto`, of the folder `source`, none for
+    `vllm`), with `override` on top; SamplingParams' keys (max_tokens for max_new_tokens). Errors name the key."""
+    _check_generation_source(source, override)
+    config: dict = {}
+    if source != "vllm":
+        folder = model_dir if source == "auto" else source
+        path = os.path.join(folder, "generation_config.json") if folder else None
+        if path is not None and os.path.isfile(path):
+            config = read_json(path)
+    config = {**config, **(override or {})}
+    out = {}
+    for key, kind in GENERATION_PARAMS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"generation_config.{key}", f"must be {kind.__name__}, got {value!r}")
+        out["max_tokens" if key == "max_new_tokens" else key] = value
+    if out:
+        from .engine.request import SamplingParams
+
+        try:
+            SamplingParams(**out)
+        except ValueError as e:
+            raise ConfigError("generation_config", str(e)) from None
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -446,7 +589,10 @@ class EngineConfig:
     device: str | None = _option(None, "cuda, cuda:N or cpu (default: cuda when available)")
     load_format: str = _option("auto", "auto and safetensors read the checkpoint's weights; dummy fills random "
                                        "weights and reads only config.json", LOAD_FORMATS)
-    max_model_len: int = _option(4096, "the longest sequence (prompt + output) in tokens")
+    max_model_len: int | None = _option(
+        None, "the longest sequence (prompt + output) in tokens; 32k is 32000 and 32K is 32768, as in vLLM (default, "
+              "or auto or -1: the model's max_position_embeddings, less where the cache cannot hold one sequence of "
+              "it)", parse=max_model_len_arg)
     max_num_seqs: int = _option(64, "the most sequences in one batch")
     max_num_batched_tokens: int | None = _option(
         None, "tokens per step (default: vLLM 0.33's for the device, smaller for the OpenAI server than offline: "
@@ -470,6 +616,13 @@ class EngineConfig:
     ple_table_dtype: str = _option(
         "auto", "n-gram table storage; fp8 is e4m3 with one scale per table (auto: the checkpoint's fp8, else the "
                 "model dtype)", TABLE_DTYPES)
+    generation_config: str = _option(
+        "auto", "where requests' sampling defaults come from: auto reads the model's generation_config.json "
+                "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens...), vllm uses none, a folder "
+                "reads its generation_config.json; a request's own values come first")
+    override_generation_config: dict | None = _option(
+        None, "sampling defaults over the generation config's, as a JSON object (e.g. '{\"temperature\": 0.5}')",
+        parse=json_object_arg)
     quantization: str | None = _option(
         None, "quantize the projections and experts of a checkpoint stored in bf16 on load; fp8 is block-scaled e4m3 "
               "(one scale per 128 x 128 weight block, activations quantized per token and 128 columns). An fp8 "
@@ -486,10 +639,12 @@ class EngineConfig:
             value = getattr(self, f.name)
             if choices and value not in choices and not (value is None and f.default is None):
                 raise ConfigError(f.name, f"must be one of {', '.join(choices)}, got {value!r}")
+        if self.max_model_len == -1:  # vLLM's "auto"
+            object.__setattr__(self, "max_model_len", None)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "cpu_cache_bytes",
                      "num_pages"):
             value = getattr(self, name)
-            if value is None and name in ("max_num_batched_tokens", "page_size", "num_pages"):
+            if value is None and name in ("max_model_len", "max_num_batched_tokens", "page_size", "num_pages"):
                 continue
             if not _positive_int(value):
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
@@ -500,6 +655,7 @@ class EngineConfig:
         sizes = self.cuda_graph_sizes
         if sizes is not None and (not sizes or not all(_positive_int(n) for n in sizes)):
             raise ConfigError("cuda_graph_sizes", f"must be a non-empty list of positive integers, got {sizes!r}")
+        _check_generation_source(self.generation_config, self.override_generation_config)
         if self.device is not None:
             import torch
 
@@ -520,7 +676,9 @@ class EngineConfig:
             if f.default is not None:
                 text += " (default: %(default)s)"
             kw = dict(dest=f.name, default=f.default, help=text)
-            if kind is bool:
+            if f.metadata["parse"] is not None:
+                kw["type"] = f.metadata["parse"]
+            elif kind is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             elif typing.get_origin(kind) is list:
                 kw.update(type=typing.get_args(kind)[0], nargs="+")

@@ -118,14 +118,21 @@ class MemoryPlan:
         return rows
 
 
-def plan_cache(plan: MemoryPlan, num_pages: int | None = None, hints: tuple[str, ...] = ()) -> MemoryPlan:
+def plan_cache(plan: MemoryPlan, num_pages: int | None = None, hints: tuple[str, ...] = (),
+               fit_max_model_len: bool = False) -> MemoryPlan:
     """Fills in `plan.num_pages`: `num_pages` when given, else as many pages as the budget holds after the state
-    slots. Raises InsufficientMemoryError when they cannot hold one sequence of max_model_len, naming the largest
-    max_model_len and max_num_seqs that would fit; `hints` are further changes to suggest."""
+    slots. With `fit_max_model_len`, plan.max_model_len (the model's length) is lowered to what the pages hold where
+    they hold less (logged). Raises InsufficientMemoryError when they cannot hold one sequence of max_model_len,
+    naming the largest max_model_len and max_num_seqs that would fit; `hints` are further changes to suggest."""
     slots = plan.num_slots * plan.slot_bytes
     if num_pages is None:
         num_pages = max(plan.budget - slots, 0) // plan.page_bytes
     plan.num_pages = int(num_pages)
+    held = max(plan.num_pages - 1, 0) * plan.page_size
+    if fit_max_model_len and 0 < held < plan.max_model_len:
+        logger.warning("max_model_len=%d: the model's %d tokens do not fit the cache on %s, which holds %d tokens "
+                       "(raise the memory budget for longer sequences)", held, plan.max_model_len, plan.device, held)
+        plan.max_model_len = held
     if plan.num_pages - 1 >= plan.pages_per_sequence:
         return plan
     pages_left = max(plan.num_pages - 1, 0)

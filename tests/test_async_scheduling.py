@@ -120,3 +120,21 @@ def test_preemption_abort_and_penalties(tiny_dir):
     assert sync.keys() == asyn.keys()
     for rid in sync:
         assert summary(asyn[rid]) == summary(sync[rid]), rid
+
+
+def test_token_bans_equal_sync(tiny_dir):
+    """allowed_token_ids (a mask built once on the device) keeps steps overlapped; a multi-token bad word reads the
+    last tokens, so its steps run synchronously: either way the outputs are the synchronous engine's."""
+    greedy = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    base = drive(engine(tiny_dir, False), [("b", [7, 8, 9], SamplingParams(**greedy))])["b"].outputs[0].token_ids
+    requests = [("allowed", [7, 8, 9], SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=16, ignore_eos=True,
+                                                      allowed_token_ids=list(range(50, 90)))),
+                ("bad", [7, 8, 9], SamplingParams(bad_words_token_ids=[base[3:5], [base[8]]], **greedy)),
+                ("free", [7, 8, 9], SamplingParams(**greedy))]
+    sync = drive(engine(tiny_dir, False), requests)
+    asyn = drive(engine(tiny_dir, True), requests)
+    assert {rid: summary(o) for rid, o in asyn.items()} == {rid: summary(o) for rid, o in sync.items()}
+    bad = sync["bad"].outputs[0].token_ids
+    assert bad[:4] == base[:4] and bad[4] != base[4] and base[8] not in bad
+    assert sync["free"].outputs[0].token_ids == base
+    assert all(set(c.token_ids) <= set(range(50, 90)) for c in sync["allowed"].outputs)

@@ -311,3 +311,117 @@ def test_the_page_reports_the_fp8_stages_when_the_results_hold_them():
     page = render(results | {"flash_next": flash}, "benchmarks_results.json")
     assert "| batch-1 decode (128 in / 128 out), tok/s | >= 200 | **210.0** |" in page
     assert "## The released shape in fp8 on one GPU" not in render(results, "benchmarks_results.json")
+
+
+# ---- bench latency, throughput and serve: vLLM's result keys ----
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    return make_random(str(tmp_path_factory.mktemp("tiny")), "tiny", dtype="float32")
+
+
+def test_bench_latency_and_throughput_write_vllms_keys(tiny_dir, tmp_path, capsys):
+    engine = ["--model", tiny_dir, "--device", "cpu", "--max-model-len", "64", "--input-len", "5",
+              "--output-len", "3"]
+    main(["bench", "latency", *engine, "--num-iters", "2", "--output-json", str(tmp_path / "latency.json")])
+    latency = json.loads((tmp_path / "latency.json").read_text())
+    assert latency["model_id"] == tiny_dir and len(latency["latencies"]) == 2
+    assert latency["avg_latency"] == pytest.approx(sum(latency["latencies"]) / 2)
+    assert set(latency["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert min(latency["latencies"]) <= latency["percentiles"]["50"] <= max(latency["latencies"])
+    assert latency["median_tpot_ms"] > 0  # what the suite reads
+    main(["bench", "throughput", *engine, "--num-prompts", "3", "--output-json", str(tmp_path / "throughput.json")])
+    throughput = json.loads((tmp_path / "throughput.json").read_text())
+    assert (throughput["num_requests"], throughput["total_num_tokens"]) == (3, 3 * (5 + 3))
+    assert throughput["elapsed_time"] == throughput["duration_s"] > 0
+    assert throughput["requests_per_second"] == pytest.approx(3 / throughput["elapsed_time"])
+    assert throughput["tokens_per_second"] == pytest.approx(3 * 8 / throughput["elapsed_time"])
+    assert throughput["output_throughput"] > 0 and throughput["median_itl_ms"] > 0  # what the suite reads
+    out, decoder = capsys.readouterr().out, json.JSONDecoder()
+    printed, end = decoder.raw_decode(out)
+    assert (printed, decoder.raw_decode(out[end:].lstrip())[0]) == (latency, throughput)  # printed as well
+
+
+def failing_server():
+    """An OpenAI completions endpoint whose requests, in arrival order, cycle through: a stream of 3 tokens with
+    its usage, an HTTP 503, an error event in the stream, a connection closed mid-stream."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    count = [0]
+
+    async def completions(request):
+        body = await request.json()
+        kind = count[0] % 4
+        count[0] += 1
+        if kind == 1:
+            return JSONResponse({"error": {"message": "overloaded", "type": "ServiceUnavailableError",
+                                           "param": None, "code": 503}}, status_code=503)
+
+        async def events():
+            if kind == 2:
+                yield 'data: {"error": {"message": "engine step failed", "code": 500}}\n\n'
+            else:
+                for _ in range(3):
+                    yield 'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n'
+                    if kind == 3:
+                        raise RuntimeError("connection lost")
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 3, "total_tokens": 0}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "flaky", "object": "model"}]})
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
+
+
+def test_bench_serve_counts_failed_requests_and_goes_on(tmp_path, capsys):
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(failing_server(), host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    try:
+        main(["bench", "serve", "--port", str(port), "--num-prompts", "8", "--max-concurrency", "1",
+              "--input-len", "4", "--output-len", "3", "--metric-percentiles", "50,99", "--save-result",
+              "--result-dir", str(tmp_path / "results"), "--result-filename", "flaky.json"])
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    result = json.loads((tmp_path / "results" / "flaky.json").read_text())
+    assert result["model_id"] == "flaky"  # the server's first model
+    assert (result["completed"], result["failed"]) == (2, 6)
+    errors = dict(result["error_summary"])
+    assert errors.pop("HTTP 503: overloaded") == 2 and errors.pop("error event: engine step failed") == 2
+    ((message, count),) = errors.items()
+    assert count == 2 and "RemoteProtocolError" in message
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (2 * 4, 2 * 3)
+    assert result["output_throughput"] == pytest.approx(6 / result["duration"])
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert {f"mean_{metric}_ms", f"median_{metric}_ms", f"std_{metric}_ms", f"p50_{metric}_ms",
+                f"p99_{metric}_ms"} <= set(result)
+    assert "ttfts" not in result  # per-request lists only with --save-detailed
+    assert json.loads(capsys.readouterr().out) == result
+
+
+def test_bench_serve_rejects_unknown_percentile_metrics(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--percentile-metrics", "ttft,goodput"])
+    assert e.value.code == 2 and "--percentile-metrics" in capsys.readouterr().err

@@ -3,8 +3,11 @@ default random-weight model that `qwen4exp generate` and `qwen4exp serve` build 
 
 import argparse
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import fields
 
 import pytest
@@ -22,7 +25,8 @@ NON_DEFAULT_FLAGS = [
     "--dtype", "half", "--device", "cpu", "--load-format", "dummy", "--max-model-len", "128", "--max-num-seqs", "3",
     "--max-num-batched-tokens", "77", "--page-size", "8", "--gpu-memory-utilization", "0.5", "--cpu-cache-bytes",
     "1000", "--num-pages", "9", "--enforce-eager", "--no-async-scheduling", "--cuda-graph-sizes", "1", "2", "--seed",
-    "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8", "--quantization", "fp8",
+    "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8", "--quantization", "fp8", "--generation-config",
+    "vllm", "--override-generation-config", '{"temperature": 0.5}',
 ]
 
 
@@ -58,8 +62,22 @@ def test_engine_flags_reach_the_config(command):
         dtype="half", device="cpu", load_format="dummy", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=77,
         page_size=8, gpu_memory_utilization=0.5, cpu_cache_bytes=1000, num_pages=9, enforce_eager=True,
         async_scheduling=False, cuda_graph_sizes=[1, 2], seed=5, ple_table_device="cpu", ple_table_dtype="fp8",
-        quantization="fp8")
+        quantization="fp8", generation_config="vllm", override_generation_config={"temperature": 0.5})
     assert all(getattr(config, f.name) != f.default for f in fields(EngineConfig))
+
+
+def test_max_model_len_takes_vllm_units(capsys):
+    """k, m, g are powers of 1000 and K, M, G powers of 1024 (vLLM's parser); auto and -1 leave it to the model."""
+    def parsed(value: str):
+        return EngineConfig.from_cli_args(build_parser().parse_args(["serve", "--max-model-len", value])).max_model_len
+
+    assert [parsed(v) for v in ("32k", "32K", "1M", "1m", "25.6k", "4096", "auto", "-1")] == [
+        32000, 32768, 2**20, 10**6, 25600, 4096, None, None]
+    assert EngineConfig(max_model_len=-1).max_model_len is None
+    for bad in ("1.5K", "lots"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-model-len", bad])
+        assert "--max-model-len" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [[], ["make-random"]] + ENGINE_COMMANDS + [["bench", "serve"]], ids=" ".join)
@@ -100,7 +118,11 @@ def test_bad_flag_values_name_the_field_before_a_model_is_built(tmp_path, monkey
                         (["bench", "latency", "--num-pages", "-1"], "num_pages"),
                         (["serve", "--gpu-memory-utilization", "2"], "gpu_memory_utilization"),
                         (["serve", "--max-queued-requests", "-1"], "--max-queued-requests"),
-                        (["generate", "--dtype", "int8"], "--dtype")]:
+                        (["generate", "--dtype", "int8"], "--dtype"),
+                        (["serve", "--override-generation-config", "[1]"], "--override-generation-config"),
+                        (["serve", "--override-generation-config", '{"temprature": 1}'],
+                         "override_generation_config"),
+                        (["generate", "--generation-config", str(tmp_path / "none")], "generation_config")]:
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
@@ -135,13 +157,68 @@ def test_python_m_qwen4exp_generate_builds_the_default_model_once(tmp_path):
         assert out.returncode == 0, out.stderr
         runs.append(out)
         if len(runs) == 1:
-            config = tmp_path / "cache" / "tiny-random" / "config.json"
+            (name,) = os.listdir(tmp_path / "cache")
+            # named after the code that writes it: an older version's checkpoint is not reused
+            assert re.fullmatch(r"tiny-random-[0-9a-f]{12}", name)
+            config = tmp_path / "cache" / name / "config.json"
             built = config.stat().st_mtime_ns
     lines = runs[0].stdout.splitlines()
     assert lines[0] == "--- prompt: 'hi'" and lines[-1] == "--- 4 tokens, finish_reason=length"
     assert runs[1].stdout == runs[0].stdout  # greedy on the same weights
-    assert os.listdir(tmp_path / "cache") == ["tiny-random"]
+    assert os.listdir(tmp_path / "cache") == [name]
     assert config.stat().st_mtime_ns == built
-    path = str(tmp_path / "cache" / "tiny-random")
-    assert f"built a random-weight tiny model in {path} (its output is gibberish)" in runs[0].stderr
+    path = str(tmp_path / "cache" / name)
+    # vLLM's log format: level, month-day time, [file:line], message
+    assert re.search(rf"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[default_model\.py:\d+\] no model given: built a "
+                     rf"random-weight tiny model in {re.escape(path)} \(its output is gibberish\)", runs[0].stderr,
+                     re.MULTILINE), runs[0].stderr
     assert f"using the random-weight tiny model in {path}" in runs[1].stderr
+
+
+def test_serve_tool_calling_flags(capsys):
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+                                      "--reasoning-parser", "qwen3", "--exclude-tools-when-tool-choice-none"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser,
+            args.exclude_tools_when_tool_choice_none) == (True, "qwen3_coder", "qwen3", True)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.enable_auto_tool_choice, defaults.tool_call_parser, defaults.reasoning_parser,
+            defaults.exclude_tools_when_tool_choice_none) == (False, None, None, False)
+    for flags, error in [(["--tool-call-parser", "nope"], "--tool-call-parser"),
+                         (["--reasoning-parser", "deepseek"], "--reasoning-parser"),
+                         # refused before a model is loaded or built
+                         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser")]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", *flags])
+        assert e.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import qwen4exp
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"{qwen4exp.__version__}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", qwen4exp.__version__)
+
+
+def test_serve_on_a_port_in_use_fails_at_once_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import qwen4exp.entrypoints.server  # noqa: F401 - imported ahead, so that the timing is serve's own
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setenv("QWEN4EXP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("qwen4exp.engine.engine.LLMEngine.__init__", load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--host", "127.0.0.1", "--port", str(port)])
+        elapsed = time.monotonic() - start
+    assert e.value.code == 2 and elapsed < 1.0
+    err = capsys.readouterr().err
+    assert "--port" in err and f"127.0.0.1:{port}" in err and "in use" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []  # not even the default model was built

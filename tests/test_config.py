@@ -76,12 +76,44 @@ def test_generation_config_sets_stop_tokens(tmp_path):
         (dict(moe_intermediate_size=0), "moe_intermediate_size"),
         (dict(hidden_size="big"), "hidden_size"),
         (dict(model_type="llama"), "model_type"),
+        (dict(mtp_num_hidden_layers=-1, mtp={}), "mtp_num_hidden_layers"),
+        (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers"),
+        (dict(mtp=dict(num_hidden_layers=2)), "mtp.num_hidden_layers"),
+        (dict(mtp=dict(layer_types=["full_attention"] * 2)), "mtp.layer_types"),
+        (dict(mtp="yes"), "mtp"),
     ],
 )
 def test_invalid_config_names_the_field(tmp_path, over, field):
     with pytest.raises(ConfigError) as e:
         load_model_config(write(tmp_path, tiny(**over)))
     assert field in str(e.value)
+
+
+def test_mtp_fields_read_as_released_and_under_vllms_name(tmp_path):
+    released = load_model_config(write(tmp_path, tiny()))
+    assert (released.mtp_num_hidden_layers, released.mtp_layer_types) == (1, ("indexed_attention",))
+    assert not released.mtp_use_dedicated_embeddings and released.mtp_use_hidden_state_from_layer is None
+    released.check_mtp()
+    cfg = tiny(num_nextn_predict_layers=1)
+    for key in ("mtp_num_hidden_layers", "mtp"):
+        cfg.pop(key)
+    assert load_model_config(write(tmp_path, cfg)) == released
+    cfg.pop("num_nextn_predict_layers")
+    assert load_model_config(write(tmp_path, cfg)).mtp_num_hidden_layers == 0
+
+
+@pytest.mark.parametrize("over, field", [
+    (dict(mtp_num_hidden_layers=0, mtp={}), "mtp_num_hidden_layers"),
+    (dict(mtp=dict(layer_types=["linear_attention"])), "mtp.layer_types"),
+    (dict(mtp_use_dedicated_embeddings=True), "mtp_use_dedicated_embeddings"),
+    (dict(mtp=dict(mtp_use_hidden_state_from_layer=10)), "mtp.mtp_use_hidden_state_from_layer"),
+])
+def test_mtp_that_cannot_draft_loads_and_names_the_field_when_asked(tmp_path, over, field):
+    """A config whose MTP layers this engine cannot draft with still loads; asking for MTP names the field."""
+    config = load_model_config(write(tmp_path, tiny(**over)))
+    with pytest.raises(ConfigError) as e:
+        config.check_mtp()
+    assert e.value.field == field
 
 
 def test_missing_config_file(tmp_path):
@@ -164,3 +196,47 @@ def test_default_step_budget_on_the_cpu(tmp_path):
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         engine_config_from_args(parser.parse_args(["serve", str(tmp_path), "--device", "cpu",
                                                    "--max-num-batched-tokens", "0"]))
+
+
+def test_generation_config_supplies_sampling_defaults(tmp_path):
+    """vLLM's get_diff_sampling_param: the sampling keys generation_config.json sets (max_new_tokens as
+    max_tokens), from the model (auto), a folder, or nowhere (vllm), under --override-generation-config."""
+    from qwen4exp.config import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": [1, 2], "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+        "max_new_tokens": 64}))
+    qwen = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    assert generation_defaults(str(tmp_path)) == qwen
+    assert generation_defaults(str(tmp_path / "no-such-model")) == {}
+    assert generation_defaults(str(tmp_path), "vllm") == {}
+    assert generation_defaults(str(tmp_path), "vllm", {"temperature": 0.5}) == {"temperature": 0.5}
+    assert generation_defaults(None, str(tmp_path), {"top_k": 5}) == {**qwen, "top_k": 5}
+    with pytest.raises(ConfigError, match="generation_config: no generation_config.json"):
+        EngineConfig(generation_config=str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match="override_generation_config: unknown keys"):
+        EngineConfig(override_generation_config={"temprature": 0.5})
+    for bad, field in [({"temperature": "hot"}, "generation_config.temperature"),
+                       ({"top_k": 2.5}, "generation_config.top_k"), ({"temperature": -1}, "temperature")]:
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=field):
+            generation_defaults(str(tmp_path))
+
+
+def test_max_model_len_defaults_to_the_model_within_the_cache(tmp_path, caplog):
+    """Without max_model_len: the model's max_position_embeddings, or as many tokens as the cache holds where
+    that is less (logged). Asked for more than the cache holds: an error naming what would fit."""
+    from qwen4exp import LLM
+    from qwen4exp.memory import InsufficientMemoryError
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    make_random(str(tmp_path), "tiny", dtype="float32")
+    kw = dict(device="cpu", load_format="dummy", page_size=16)
+    assert load_model_config(str(tmp_path)).max_position_embeddings == 4096
+    assert LLM(str(tmp_path), **kw).llm_engine.config.max_model_len == 4096
+    with caplog.at_level("WARNING", logger="qwen4exp"):
+        capped = LLM(str(tmp_path), num_pages=33, **kw).llm_engine
+    assert capped.config.max_model_len == 512 == capped.output_processor.max_model_len
+    assert "max_model_len=512" in caplog.text and "4096" in caplog.text
+    with pytest.raises(InsufficientMemoryError, match="--max-model-len 512"):
+        LLM(str(tmp_path), num_pages=33, max_model_len=1024, **kw)

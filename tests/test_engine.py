@@ -160,7 +160,7 @@ def test_warm_up_leaves_no_trace(tiny_dir):
     warm_up(engine)
     assert engine.cache.all_free() and not engine.has_unfinished_requests()
     assert engine.scheduler.config.max_num_batched_tokens == 128
-    assert engine.metrics.registry.get_sample_value("qwen4exp:prompt_tokens_total") == 0
+    assert engine.metrics.registry.get_sample_value("vllm:prompt_tokens_total", engine.metrics.labels) == 0
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 

@@ -62,7 +62,8 @@ def test_released_layout_per_expert_and_shards(tiny_dir, reference):
 
 def test_checkpoint_names_are_transformers_names(tiny_dir):
     """make-random writes transformers' parameter names (experts and n-gram tables split per expert and shard), not
-    the merged projections' parameter names."""
+    the merged projections' parameter names; and the MTP layer's (`mtp.*`, which transformers ignores) under the
+    same rules."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -72,8 +73,12 @@ def test_checkpoint_names_are_transformers_names(tiny_dir):
         name = re.sub(r"experts\.\d+\.(gate|up)_proj\.weight$", "experts.gate_up_proj", name)
         names.add(re.sub(r"(experts\.)\d+\.down_proj\.weight$|(ngram_embedding\.)shard_\d+\.(weight)$",
                          lambda m: m[1] + "down_proj" if m[1] else m[2] + m[3], name))
-    assert names == set(hf.state_dict())
+    mtp = {n for n in names if n.startswith("mtp.")}
+    assert names - mtp == set(hf.state_dict())
     assert "model.layers.0.linear_attn.in_proj_b.weight" in names
+    # the MTP layer is named as transformers names a decoder layer, under mtp.layers.0
+    layer = {n.removeprefix("model.layers.3.") for n in hf.state_dict() if n.startswith("model.layers.3.")}
+    assert {n.removeprefix("mtp.layers.0.") for n in mtp if n.startswith("mtp.layers.0.")} == layer
 
 
 def test_multimodal_names_skip_visual_and_mtp(tiny_dir, reference, tmp_path):

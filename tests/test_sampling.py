@@ -95,7 +95,11 @@ def test_incremental_detokenization_handles_multibyte_and_holds_back_stop_prefix
                                         (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2),
                                                                              "min_tokens"),
                                         (dict(repetition_penalty=0), "repetition_penalty"),
-                                        (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop")])
+                                        (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"),
+                                        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+                                        (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+                                        (dict(bad_words=[" "]), "bad_words"),
+                                        (dict(bad_words=["x"] * 129), "bad_words")])
 def test_invalid_sampling_params_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
@@ -154,3 +158,77 @@ def test_bf16_logits_sample_as_their_fp32_widening():
     assert got.token_ids[0] == 17
     assert got.token_ids == want.token_ids and got.ranks == want.ranks and got.topk_ids == want.topk_ids
     assert got.logprobs == want.logprobs and got.topk_logprobs == want.topk_logprobs
+
+
+def contains(ids: list[int], seq: list[int]) -> bool:
+    return any(ids[i: i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+
+
+def test_allowed_token_ids_bound_every_sampled_token(llm):
+    allowed = list(range(100, 140))
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = llm.generate([PROMPT], free, use_tqdm=False)[0].outputs[0].token_ids
+    assert not set(greedy) <= set(allowed)  # left alone, the model leaves the set
+    # four seeded streams and a request without the mask in the same batch
+    bounded = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
+    outs = llm.generate([PROMPT, PROMPT], [bounded, free], use_tqdm=False)
+    assert all(set(o.token_ids) <= set(allowed) for o in outs[0].outputs)
+    assert len({tuple(o.token_ids) for o in outs[0].outputs}) > 1
+    assert outs[1].outputs[0].token_ids == greedy
+    one = gen(llm, temperature=0, max_tokens=4, ignore_eos=True, allowed_token_ids=[77], logprobs=0).outputs[0]
+    assert one.token_ids == [77] * 4
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        gen(llm, allowed_token_ids=[10**6])
+
+
+def test_bad_words_are_never_generated(llm):
+    """vLLM's rule: a one-token word is never sampled; a longer word's last token is not sampled right after the
+    rest of it, which the request generated."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+    def encodes_as(ids):
+        return tok.encode(tok.decode(ids).lstrip(), add_special_tokens=False) == ids
+
+    # a two-token word the greedy output contains (first there at i)
+    i = next(i for i in range(1, len(base) - 1) if encodes_as(base[i: i + 2]) and not contains(base[: i + 1],
+                                                                                                base[i: i + 2]))
+    word = base[i: i + 2]
+    out = gen(llm, temperature=0, max_tokens=16, ignore_eos=True, bad_words=[tok.decode(word)]).outputs[0].token_ids
+    assert out[: i + 1] == base[: i + 1] and out[i + 1] != word[1]  # only the word's last token was refused
+    assert not contains(out, word)
+    single = next(t for t in base if encodes_as([t]))
+    out = gen(llm, temperature=0, max_tokens=16, ignore_eos=True, bad_words=[tok.decode([single])]).outputs[0]
+    assert single not in out.token_ids
+
+    # sampled, with a bias that makes a token follow itself at every step: the word "tt" is never generated
+    t = next(t for t in range(100, 400) if encodes_as([t, t]))
+    biased = dict(temperature=1.0, max_tokens=10, ignore_eos=True, logit_bias={t: 100.0})
+    assert gen(llm, seed=1, **biased).outputs[0].token_ids == [t] * 10
+    outs = llm.generate([PROMPT], SamplingParams(n=3, seed=5, bad_words=[tok.decode([t, t])], **biased),
+                        use_tqdm=False)[0].outputs
+    for o in outs:
+        assert not contains(o.token_ids, [t, t]) and o.token_ids[::2] == [t] * 5
+
+
+def test_bad_words_token_ids_follow_vllm():
+    """Each word as it starts a text; also after a space where the space merges into a first token of its own."""
+    from qwen4exp.engine.request import bad_word_variants, bad_words_token_ids
+
+    assert bad_word_variants([" ab", "c"]) == ["ab", " ab", "c", " c"]
+    # "ab": [5, 6] and " ab": [7, 6] (merged space); "c": [9] and " c": [1, 9] (a separate space token)
+    assert bad_words_token_ids([[5, 6], [7, 6], [9], [1, 9]]) == [[5, 6], [7, 6], [9]]
+    with pytest.raises(ValueError, match="bad_words"):
+        bad_words_token_ids([[1] * 600, [2] * 600])
+
+
+def test_chat_takes_text_parts(llm):
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    joined = [{"role": "user", "content": "Hi\nthere"}]
+    a, b = (llm.chat(m, greedy, use_tqdm=False)[0] for m in (parts, joined))
+    assert a.prompt_token_ids == b.prompt_token_ids and a.outputs[0].token_ids == b.outputs[0].token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    with pytest.raises(ValueError, match="messages: content part type 'image_url' is not supported"):
+        llm.chat(image, greedy, use_tqdm=False)

@@ -16,6 +16,7 @@ import openai
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from qwen4exp import LLM, SamplingParams
 from qwen4exp.config import EngineConfig
@@ -48,8 +49,8 @@ class Live:
                    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
 
     def idle(self) -> bool:
-        return (self.engine.cache.all_free() and self.metric("qwen4exp:num_requests_running") == 0
-                and self.metric("qwen4exp:num_requests_waiting") == 0)
+        return (self.engine.cache.all_free() and self.metric("vllm:num_requests_running") == 0
+                and self.metric("vllm:num_requests_waiting") == 0)
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +332,7 @@ def test_api_key_guards_every_route_that_does_work(live):
 
 def test_queue_full_returns_503_and_closed_streams_free_everything(live):
     url = f"{live.url}/v1/completions"
-    finished = live.metric("qwen4exp:request_success_total")
+    finished = live.metric("vllm:request_success_total")
     body = {"model": MODEL, "prompt": "Queue up", "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as c, contextlib.ExitStack() as streams:
         # 4 seats in the batch + MAX_QUEUED waiting; the streams stay open (generating) while we add more
@@ -341,16 +342,16 @@ def test_queue_full_returns_503_and_closed_streams_free_everything(live):
         err = assert_envelope(full, 503)
         assert err["type"] == "ServiceUnavailableError" and "max_queued_requests" in err["message"]
         assert int(full.headers["Retry-After"]) >= 1
-        poll(lambda: live.metric("qwen4exp:num_requests_waiting") == MAX_QUEUED, 10)
+        poll(lambda: live.metric("vllm:num_requests_waiting") == MAX_QUEUED, 10)
     # closing the streams aborts all six, including the two that never got a seat
     poll(live.idle, 10)
-    assert live.metric("qwen4exp:request_success_total") == finished
+    assert live.metric("vllm:request_success_total") == finished
     assert httpx.get(f"{live.url}/health").status_code == 200
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(live):
-    generated = live.metric("qwen4exp:generation_tokens_total")
-    finished = live.metric("qwen4exp:request_success_total")
+    generated = live.metric("vllm:generation_tokens_total")
+    finished = live.metric("vllm:request_success_total")
     body = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
         events = 0
@@ -359,12 +360,12 @@ def test_client_disconnect_mid_stream_aborts_the_request(live):
             if events == 3:
                 break
     poll(live.idle, 10)
-    assert live.metric("qwen4exp:generation_tokens_total") - generated < 100  # stopped long before max_tokens
-    assert live.metric("qwen4exp:request_success_total") == finished  # aborted, not finished
+    assert live.metric("vllm:generation_tokens_total") - generated < 100  # stopped long before max_tokens
+    assert live.metric("vllm:request_success_total") == finished  # aborted, not finished
 
 
 def test_async_engine_generate_aborts_when_the_consumer_stops(live):
-    generated = live.metric("qwen4exp:generation_tokens_total")
+    generated = live.metric("vllm:generation_tokens_total")
     params = SamplingParams(max_tokens=200, ignore_eos=True)
 
     async def close_early():
@@ -388,7 +389,7 @@ def test_async_engine_generate_aborts_when_the_consumer_stops(live):
     asyncio.run(close_early())
     asyncio.run(cancel_early())
     poll(live.idle, 10)
-    assert live.metric("qwen4exp:generation_tokens_total") - generated < 200  # neither ran to max_tokens
+    assert live.metric("vllm:generation_tokens_total") - generated < 200  # neither ran to max_tokens
 
 
 def test_engine_step_failure_fails_requests_not_the_server(live):
@@ -436,8 +437,70 @@ def test_tokenize_detokenize_metrics(live, reference):
     text = httpx.get(f"{live.url}/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds_bucket", "request_success_total"):
-        assert f"qwen4exp:{name}" in text
-    assert live.metric("qwen4exp:generation_tokens_total") > 0
+        assert f"vllm:{name}" in text
+    assert live.metric("vllm:generation_tokens_total") > 0
+
+
+def test_metrics_count_what_the_requests_did(live):
+    """/metrics after two completions: the token counters equal their usage, each histogram of a request grew by
+    one sample per request, every series carries the served name."""
+
+    def scrape() -> dict:
+        text = httpx.get(f"{live.url}/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = dict(s.labels)
+                if family.name != "vllm:cache_config_info":
+                    assert (labels.pop("model_name"), labels.pop("engine")) == (MODEL, "0"), s
+                out[(s.name, tuple(sorted(labels.items())))] = s.value
+        return out
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before[key]
+
+    poll(live.idle, 10)
+    before = scrape()
+    usages = []
+    for prompt, max_tokens in (("Count the tokens", 5), ("One more request, a little longer than the first", 9)):
+        r = httpx.post(f"{live.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+        usages.append(r.json()["usage"])
+    poll(live.idle, 10)
+    after = scrape()
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    generated = sum(u["completion_tokens"] for u in usages)
+    assert generated == 5 + 9
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    assert delta("vllm:generation_tokens_total") == generated
+    assert delta("vllm:iteration_tokens_total_sum") == prompt_tokens + generated
+    assert delta("vllm:request_success_total", finished_reason="length") == 2
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
+                 "request_params_max_tokens", "request_params_n"):
+        assert delta(f"vllm:{name}_count") == 2, name
+    assert delta("vllm:inter_token_latency_seconds_count") == generated - 2
+    assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("vllm:request_generation_tokens_sum") == generated
+    assert delta("vllm:request_params_max_tokens_sum") == 5 + 9
+    assert after[("vllm:num_requests_running", ())] == 0 and after[("vllm:kv_cache_usage_perc", ())] == 0
+
+
+def test_bench_serve_against_the_server(live):
+    from qwen4exp.bench.serving import run
+
+    result = run(live.url, None, num_prompts=3, input_len=6, output_len=4, max_concurrency=2,
+                 request_rate=float("inf"), save_detailed=True)
+    assert result["model_id"] == MODEL  # the server's first model
+    assert (result["completed"], result["failed"], result["error_summary"]) == (3, 0, {})
+    assert result["total_input_tokens"] == 3 * 6 and result["total_output_tokens"] == 3 * 4
+    assert result["output_lens"] == [4, 4, 4] and all(len(itl) >= 1 for itl in result["itls"])
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p99"):
+            assert result[f"{stat}_{metric}_ms"] >= 0
+    assert result["p99_e2el_ms"] >= result["median_e2el_ms"] >= result["median_ttft_ms"] > 0
 
 
 # ----- lm-evaluation-harness -----

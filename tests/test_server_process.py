@@ -5,6 +5,7 @@ exit status 0, every client getting a last chunk or response with a finish reaso
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ def tiny_dir(tmp_path_factory):
 
 
 class Server:
-    def __init__(self, model_dir: str, log_path, *flags: str):
+    def __init__(self, model_dir: str, log_path, *flags: str, env: dict | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -39,7 +40,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "qwen4exp", "serve", model_dir, "--device", "cpu", "--port", str(self.port),
              "--api-key", KEY, "--uvicorn-log-level", "warning", *flags],
-            env={**os.environ, "PYTHONPATH": ROOT}, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+            env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while True:
             assert self.proc.poll() is None, self.log()
@@ -57,7 +58,7 @@ class Server:
     def running(self) -> float:
         text = httpx.get(f"{self.url}/metrics").text
         return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("qwen4exp:num_requests_running"))
+                   if line.startswith("vllm:num_requests_running"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -69,8 +70,8 @@ class Server:
 def server_factory(tiny_dir, tmp_path):
     servers = []
 
-    def start(*flags: str) -> Server:
-        servers.append(Server(tiny_dir, tmp_path / f"server{len(servers)}.log", *flags))
+    def start(*flags: str, env: dict | None = None) -> Server:
+        servers.append(Server(tiny_dir, tmp_path / f"server{len(servers)}.log", *flags, env=env))
         return servers[-1]
 
     yield start
@@ -236,3 +237,25 @@ def test_a_second_signal_exits_at_once(server_factory):
     assert srv.proc.wait(5) == 128 + signal.SIGINT
     client.join(10)
     assert results[0][0] == "cut"  # no orderly end: that is what the second signal asks for
+
+
+def test_log_lines_and_the_stats_line_as_vllm_writes_them(server_factory):
+    """Every line of ours as vLLM formats it (level, date, [file:line], message); while a request runs the stats
+    line comes every $QWEN4EXP_LOG_STATS_INTERVAL seconds, and not at all with --disable-log-stats."""
+    line = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] ")
+    stats = re.compile(r"^INFO .* \[metrics\.py:\d+\] Avg prompt throughput: \d+\.\d tokens/s, Avg generation "
+                       r"throughput: \d+\.\d tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, CPU KV cache usage: "
+                       r"\d+\.\d%$", re.MULTILINE)
+    body = {"prompt": "keep going", "max_tokens": 60, "ignore_eos": True}
+    fast = {"QWEN4EXP_LOG_STATS_INTERVAL": "0.2"}
+    for flags, expect_stats in (((), True), (("--disable-log-stats",), False)):
+        srv = server_factory(*flags, env=fast)
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=AUTH, timeout=120)
+        assert r.status_code == 200
+        time.sleep(1.0)  # five intervals
+        log = open(srv.log_path).read()
+        assert bool(stats.search(log)) == expect_stats, log
+        ours = [x for x in log.splitlines() if x and not x.startswith(("  ", "INFO:", "WARNING:"))]  # not uvicorn's
+        assert any("[server.py:" in x and "serving " in x for x in ours), log
+        assert all(line.match(x) for x in ours), log
+        srv.stop()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -30,27 +31,33 @@ class RequestTiming:
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
 
 
-def _pcts(values: list[float], name: str, scale: float = 1000.0) -> dict:
+def distribution(values: list[float], name: str, percentiles=(99,)) -> dict:
+    """vLLM's statistics of one latency in ms (`values` in seconds): mean_, median_, std_ and p{P}_{name}_ms for each
+    percentile P (numpy's, interpolated). Nothing for no values."""
     if not values:
         return {}
-    s = sorted(values)
-
-    def pct(p):
-        return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))] * scale
-
-    # max: one multi-second stall (e.g. a first-use compilation) hides below the p99 of thousands of ITLs
-    return {f"mean_{name}_ms": statistics.fmean(s) * scale, f"median_{name}_ms": statistics.median(s) * scale,
-            f"p90_{name}_ms": pct(90), f"p99_{name}_ms": pct(99), f"max_{name}_ms": s[-1] * scale}
+    ms = np.asarray(values, dtype=np.float64) * 1000.0
+    out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+           f"std_{name}_ms": float(ms.std())}
+    for p in percentiles:
+        out[f"p{int(p) if int(p) == p else p}_{name}_ms"] = float(np.percentile(ms, p))
+    return out
 
 
 def summarize(timings: list[RequestTiming], elapsed: float) -> dict:
+    """The in-process runs' summary: vLLM's `bench serve` keys (p90 and p99), the run's duration_s, and max_*_ms: one
+    multi-second stall (e.g. a first-use compilation) hides below the p99 of thousands of ITLs."""
     out_tokens = sum(len(t.token_times) for t in timings)
     in_tokens = sum(t.prompt_len for t in timings)
     res = {"duration_s": elapsed, "completed": len(timings), "total_input_tokens": in_tokens,
            "total_output_tokens": out_tokens, "request_throughput": len(timings) / elapsed,
            "output_throughput": out_tokens / elapsed, "total_token_throughput": (in_tokens + out_tokens) / elapsed}
-    res |= _pcts([t.ttft for t in timings], "ttft")
-    res |= _pcts([t.tpot for t in timings if t.tpot is not None], "tpot")
-    res |= _pcts([x for t in timings for x in t.itls], "itl")
-    res |= _pcts([t.e2e for t in timings], "e2el")
+    for name, values in (("ttft", [t.ttft for t in timings]),
+                         ("tpot", [t.tpot for t in timings if t.tpot is not None]),
+                         ("itl", [x for t in timings for x in t.itls]),
+                         ("e2el", [t.e2e for t in timings])):
+        stats = distribution(values, name, (90, 99))
+        if stats:
+            stats[f"max_{name}_ms"] = max(values) * 1000.0
+        res |= stats
     return res

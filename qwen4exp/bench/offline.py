@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 
+import numpy as np
 import torch
 
 from ..engine.request import SamplingParams, StructuredOutputsParams
@@ -55,32 +56,40 @@ def run_requests(engine, prompts: list[list[int]], output_len: int, structured_f
     return summarize(list(timings.values()), elapsed)
 
 
+LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
 def latency(engine, batch_size: int, input_len: int, output_len: int, iters: int = 3) -> dict:
-    """Median over iterations of one batch's end-to-end run (vLLM's `bench latency`), with TPOT."""
+    """One batch's end-to-end run `iters` times (vLLM's `bench latency`): vLLM's avg_latency, latencies and
+    percentiles (seconds), and the run of median latency's summary (TTFT, TPOT, ITL)."""
     vocab = engine.model_config.vocab_size
     run_requests(engine, random_prompts(batch_size, input_len, vocab, seed=99), min(output_len, 8))  # warm-up
     runs = [run_requests(engine, random_prompts(batch_size, input_len, vocab, seed=i), output_len)
             for i in range(iters)]
-    runs.sort(key=lambda r: r["duration_s"])
-    med = runs[len(runs) // 2]
-    med["latencies_s"] = [r["duration_s"] for r in runs]
+    latencies = [r["duration_s"] for r in runs]
+    med = sorted(runs, key=lambda r: r["duration_s"])[len(runs) // 2]
+    med |= {"avg_latency": float(np.mean(latencies)), "latencies": latencies,
+            "percentiles": {str(p): float(np.percentile(latencies, p)) for p in LATENCY_PERCENTILES}}
     med["decode_tok_s_per_request"] = 1000.0 / med["median_tpot_ms"] if med.get("median_tpot_ms") else None
     return med
 
 
 def throughput(engine, num_prompts: int, input_len: int, output_len: int, structured_fraction: float = 0.0) -> dict:
-    """`structured_fraction`: the share of requests under a grammar (see run_requests)."""
+    """`num_prompts` requests at once (vLLM's `bench throughput`): vLLM's elapsed_time, num_requests,
+    total_num_tokens, requests_per_second and tokens_per_second (prompt and output tokens), and the run's summary.
+    `structured_fraction`: the share of requests under a grammar (see run_requests)."""
     if not 0.0 <= structured_fraction <= 1.0:
         raise ValueError(f"structured_fraction: must be in [0, 1], got {structured_fraction}")
     vocab = engine.model_config.vocab_size
     # the warm-up also builds the grammar compiler and compiles the grammar when some requests are constrained
     run_requests(engine, random_prompts(min(num_prompts, 4), input_len, vocab, seed=98), 4,
                  1.0 if structured_fraction else 0.0)
-    result = run_requests(engine, random_prompts(num_prompts, input_len, vocab, seed=7), output_len,
-                          structured_fraction)
-    result["num_structured"] = sum(int((i + 1) * structured_fraction) > int(i * structured_fraction)
-                                   for i in range(num_prompts))
-    return result
+    r = run_requests(engine, random_prompts(num_prompts, input_len, vocab, seed=7), output_len, structured_fraction)
+    return r | {"elapsed_time": r["duration_s"], "num_requests": r["completed"],
+                "total_num_tokens": r["total_input_tokens"] + r["total_output_tokens"],
+                "requests_per_second": r["request_throughput"], "tokens_per_second": r["total_token_throughput"],
+                "num_structured": sum(int((i + 1) * structured_fraction) > int(i * structured_fraction)
+                                      for i in range(num_prompts))}
 
 
 def prefill(engine, input_len: int, iters: int = 3) -> dict:

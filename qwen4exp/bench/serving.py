@@ -1,53 +1,146 @@
-"""`qwen4exp bench serve`: streaming load test against an OpenAI-compatible /v1/completions endpoint."""
+"""`qwen4exp bench serve`: streaming load test against an OpenAI-compatible /v1/completions endpoint, with vLLM's
+`bench serve` result keys.
+
+A request fails on an HTTP error status, a connection or protocol error, an error event in its stream, or a stream
+that ends without a token; the run goes on, counts it in `failed` and its message in `error_summary`. The latency
+statistics are over the completed requests; output tokens are the server's `usage.completion_tokens`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import time
+from dataclasses import dataclass, field
 
-from .metrics import RequestTiming, summarize
+from .metrics import distribution
+
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
-async def _one(client, url, model, prompt_ids, output_len, sem) -> RequestTiming:
+@dataclass
+class RequestResult:
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    output_tokens: int = 0
+    generated_text: str = ""
+
+
+async def _one(client, url: str, model: str, prompt_ids: list[int], output_len: int,
+               sem: asyncio.Semaphore) -> RequestResult:
     async with sem:
-        timing = RequestTiming(arrival=time.perf_counter(), prompt_len=len(prompt_ids))
+        out = RequestResult(prompt_len=len(prompt_ids))
         body = {"model": model, "prompt": prompt_ids, "max_tokens": output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}
-        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                    timing.token_times.append(time.perf_counter())
-        return timing
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        start = last = time.perf_counter()
+        chunks = 0
+        try:
+            async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    out.error = f"HTTP {resp.status_code}: {_message(resp.text) or resp.reason_phrase}"
+                    return out
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        out.error = f"error event: {_message(data) or data['error']}"
+                        return out
+                    if data.get("choices"):
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            out.ttft = now - start
+                        else:
+                            out.itl.append(now - last)
+                        last, chunks = now, chunks + 1
+                        out.generated_text += data["choices"][0].get("text") or ""
+                    elif data.get("usage"):
+                        out.output_tokens = data["usage"].get("completion_tokens") or 0
+        except Exception as e:  # noqa: BLE001 - a failed request, counted; the run goes on
+            out.error = f"{type(e).__name__}: {e}"
+            return out
+        if chunks == 0:
+            out.error = "the stream ended without a token"
+            return out
+        out.success, out.latency = True, last - start
+        out.output_tokens = out.output_tokens or chunks  # a server without usage: one token per chunk
+        return out
 
 
-async def _run(url, model, num_prompts, input_len, output_len, max_concurrency, request_rate) -> dict:
+def _message(payload) -> str | None:
+    """The message of an OpenAI error envelope (a dict, or its JSON text)."""
+    try:
+        data = json.loads(payload) if isinstance(payload, str) else payload
+        return data["error"]["message"]
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def summarize(results: list[RequestResult], duration: float, percentile_metrics=PERCENTILE_METRICS,
+              percentiles=(99,)) -> dict:
+    """vLLM's `bench serve` metrics of a run, plus `error_summary` (message -> count)."""
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    res = {"duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+           "total_input_tokens": total_in, "total_output_tokens": total_out,
+           "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
+           "total_token_throughput": (total_in + total_out) / duration}
+    values = {"ttft": [r.ttft for r in ok],
+              "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+              "itl": [x for r in ok for x in r.itl],
+              "e2el": [r.latency for r in ok]}
+    for name in percentile_metrics:
+        res |= distribution(values[name] or [0.0], name, percentiles)  # as vLLM: zeros when nothing completed
+    res["error_summary"] = dict(collections.Counter(r.error for r in results if not r.success).most_common())
+    return res
+
+
+async def _run(url, model, num_prompts, input_len, output_len, max_concurrency, request_rate, percentile_metrics,
+               percentiles) -> tuple[dict, list[RequestResult]]:
     import httpx
 
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 200) for _ in range(input_len)] for _ in range(num_prompts)]
     sem = asyncio.Semaphore(max_concurrency)
-    async with httpx.AsyncClient() as client:
+    limits = httpx.Limits(max_connections=max_concurrency)
+    async with httpx.AsyncClient(limits=limits) as client:
         t0 = time.perf_counter()
         tasks = []
         for p in prompts:
             tasks.append(asyncio.create_task(_one(client, url, model, p, output_len, sem)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
-        timings = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - t0
-    # streamed chunks may carry several tokens; count tokens from the requested length
-    result = summarize([t for t in timings if t.token_times], elapsed)
-    result["total_output_tokens"] = num_prompts * output_len
-    result["output_throughput"] = result["total_output_tokens"] / elapsed
-    return result
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return summarize(results, duration, percentile_metrics, percentiles), results
 
 
-def run(url, model, num_prompts, input_len, output_len, max_concurrency, request_rate) -> dict:
-    return asyncio.run(_run(url.rstrip("/"), model, num_prompts, input_len, output_len, max_concurrency,
-                            request_rate))
+def run(url: str, model: str | None, num_prompts: int, input_len: int, output_len: int, max_concurrency: int,
+        request_rate: float, percentile_metrics=PERCENTILE_METRICS, percentiles=(99,),
+        save_detailed: bool = False) -> dict:
+    """The run's results as vLLM's `bench serve` writes them (its configuration, then the metrics; the
+    per-request lists only with `save_detailed`). `model`: the served name, else the server's first model."""
+    url = url.rstrip("/")
+    if model is None:
+        import httpx
+
+        model = httpx.get(f"{url}/v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
+    metrics, results = asyncio.run(_run(url, model, num_prompts, input_len, output_len, max_concurrency,
+                                        request_rate, percentile_metrics, percentiles))
+    out = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai", "model_id": model,
+           "num_prompts": num_prompts, "request_rate": request_rate if request_rate < float("inf") else "inf",
+           "max_concurrency": max_concurrency} | metrics
+    if save_detailed:
+        out |= {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
+                "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+                "latencies": [r.latency for r in results], "generated_texts": [r.generated_text for r in results],
+                "errors": [r.error for r in results]}
+    return out

@@ -5,11 +5,16 @@ bf16 rounding flips the argmax at the many near-ties and an agreement figure wou
 Here transformers' Qwen4ExpForCausalLM (the numerics reference) is trained on the Python standard library's source
 files of the machine it runs on, tokenized with the repository's byte-level BPE; the suite's `agree_trained` stage
 (qwen4exp.bench.agreement) then measures agreement on files held out of training.
+
+transformers has no MTP layer, so the model is given one (`MTPHead`, transformers' modules composed as model/mtp.py
+describes) trained beside it on the token after next; its parameters are the checkpoint's `mtp.*` tensors, so the
+trained model's state dict is a checkpoint with a trained draft layer (`load_model(..., mtp=True)` reads it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import math
@@ -21,6 +26,11 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+# the MTP loss's weight beside the next-token loss (DeepSeek-V3 trains its MTP module with 0.3, then 0.1)
+MTP_LOSS_WEIGHT = 0.3
 
 
 def stdlib_files() -> list[str]:
@@ -151,6 +161,67 @@ def check_batched_selection(model, ids: torch.Tensor, log=print) -> float:
     return differ
 
 
+class MTPHead(nn.Module):
+    """The MTP layer of model/mtp.py in transformers' modules and under the checkpoint's names (`model.mtp` of a
+    transformers model is `mtp.*` in its state dict): the target's streams before its final mixer, each stream through
+    fc_hidden after one norm over all of them, plus the embedding of the next token through fc_embedding; one
+    indexed-attention decoder layer without PLE; the final mixer. Returns the hidden state for lm_head."""
+
+    def __init__(self, modeling, config):
+        super().__init__()
+        h, self.hc_count = config.hidden_size, config.hc_count
+        self.pre_fc_norm_embedding = modeling.Qwen4ExpTextRMSNorm(h, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = modeling.Qwen4ExpTextRMSNorm(self.hc_count * h, eps=config.rms_norm_eps)
+        self.fc_embedding = nn.Linear(h, h, bias=False)
+        self.fc_hidden = nn.Linear(h, h, bias=False)
+        layer_config = copy.deepcopy(config)
+        layer_config.num_hidden_layers, layer_config.ple_layer_ids = 1, []
+        layer_config.layer_types = ["indexed_attention"]
+        self.layers = nn.ModuleList([modeling.Qwen4ExpTextDecoderLayer(layer_config, 0)])
+        self.hyper_connection_mixer = modeling.Qwen4ExpTextGatedResidual(config, use_combine=False)
+
+    def forward(self, streams, next_embeds, position_embeddings, attention_mask):
+        e = self.fc_embedding(self.pre_fc_norm_embedding(next_embeds))
+        h = self.fc_hidden(self.pre_fc_norm_hidden(streams).unflatten(-1, (self.hc_count, -1)))
+        x = (h + e.unsqueeze(-2)).flatten(-2)
+        x = self.layers[0](x, position_embeddings=position_embeddings, attention_mask=attention_mask)
+        return self.hyper_connection_mixer(x)
+
+
+def attach_mtp(model, modeling) -> MTPHead:
+    """Give a transformers model an MTP head (`model.mtp`), initialised as transformers initialises its layers."""
+    model.mtp = MTPHead(modeling, model.config).to(next(model.parameters()).device)
+    for m in model.mtp.modules():
+        model._init_weights(m)
+    return model.mtp
+
+
+def mtp_loss(model, streams: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the MTP head's predictions: row t reads the streams at t ([B, T, hc*H], what the final mixer
+    read) and the token at t+1, and predicts the token at t+2. Causal, no padding, positions from 0."""
+    B, T = ids.shape[0], ids.shape[1] - 1
+    embeds = model.model.embed_tokens(ids[:, 1:])
+    positions = torch.arange(T, device=ids.device).view(1, 1, T).expand(3, B, T)
+    keep = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+    mask = keep if model.config._attn_implementation != "eager" else \
+        torch.zeros(T, T, device=ids.device).masked_fill(~keep, torch.finfo(torch.float32).min)
+    hidden = model.mtp(streams[:, :-1], embeds, model.model.rotary_emb(embeds, positions), mask[None, None])
+    logits = model.lm_head(hidden[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 2:].flatten())
+
+
+@contextlib.contextmanager
+def final_mixer_input(model):
+    """Yields a dict whose "streams" is, after each forward, the multi-stream state the final mixer read."""
+    seen = {}
+    hook = model.model.hyper_connection_mixer.register_forward_pre_hook(
+        lambda module, args: seen.__setitem__("streams", args[0]))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
 @contextlib.contextmanager
 def batched_qsa_selection(model):
     """Every QSA indexer of the model selects through `_batched_qsa_selection` while the context is open."""
@@ -165,10 +236,13 @@ def batched_qsa_selection(model):
 
 
 def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512, lr: float = 2e-3, seed: int = 0,
-          seconds: float | None = None, corpus_chars: int = 12_000_000, log=print):
+          seconds: float | None = None, corpus_chars: int = 12_000_000, mtp_loss_weight: float = MTP_LOSS_WEIGHT,
+          log=print):
     """Returns (the trained transformers model in eval mode, fp32; the held-out token stream; the EOS id; a record
     of the run). bf16 autocast on CUDA, fp32 on the CPU; AdamW with a linear warm-up and cosine decay over `steps`,
-    or, with `seconds`, over as many steps (at most `steps`) as the first steps' pace fits into that time."""
+    or, with `seconds`, over as many steps (at most `steps`) as the first steps' pace fits into that time.
+    With a positive `mtp_loss_weight` the model has an MTP head (`model.mtp`, its state dict's `mtp.*`) trained with
+    the next-token loss + mtp_loss_weight x the MTP loss (`mtp_loss`)."""
     tok, eos = load_tokenizer()
     t0 = time.perf_counter()
     stream, held = token_streams(tok, eos, max_chars=corpus_chars)
@@ -176,6 +250,8 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
     torch.manual_seed(seed)
     with _transformers_without_fla() as modeling:
         model = modeling.Qwen4ExpForCausalLM(hf_small_config(eos)).to(device).train()
+        if mtp_loss_weight > 0:
+            attach_mtp(model, modeling).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     plan = {"steps": steps}  # the schedule's length; with `seconds`, set after the first steps
 
@@ -186,7 +262,7 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     data = torch.tensor(stream)
     rng = random.Random(seed)
-    losses = []
+    losses, mtp_losses = [], []
     experts = getattr(model.config, "_experts_implementation", None)
     autocast = device.type == "cuda"
     # if the first step fails: the per-expert loop instead of the grouped GEMM (which may lack a backward or an
@@ -195,15 +271,18 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
     t0 = t_pace = time.perf_counter()
     step = 0
     selection_differs = check_batched_selection(model, data[None, :seq_len].to(device), log)
-    with batched_qsa_selection(model) as n:
+    with batched_qsa_selection(model) as n, final_mixer_input(model) as seen:
         log(f"train: {n} QSA indexers select for all queries at once")
         while step < plan["steps"]:
             starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(batch)]
             ids = torch.stack([data[s: s + seq_len] for s in starts]).to(device)
             try:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
+                    loss = total = model(input_ids=ids, labels=ids).loss
+                    if mtp_loss_weight > 0:
+                        mtp = mtp_loss(model, seen.pop("streams"), ids)
+                        total = loss + mtp_loss_weight * mtp
+                total.backward()
             except (RuntimeError, NotImplementedError, TypeError) as e:
                 if step or not fallbacks:
                     raise
@@ -221,6 +300,8 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
             sched.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
+            if mtp_loss_weight > 0:
+                mtp_losses.append(float(mtp.detach()))
             if seconds is not None and step == 3:  # steps 0-1 compile and autotune: pace from steps 2-3
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -232,12 +313,16 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
                     torch.cuda.synchronize()
                 t_pace = time.perf_counter()
             if step % max(1, plan["steps"] // 10) == 0 or step == plan["steps"] - 1:
-                log(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
+                mtp_note = f", MTP loss {mtp_losses[-1]:.3f}" if mtp_losses else ""
+                log(f"train step {step}: loss {losses[-1]:.3f}{mtp_note} ({time.perf_counter() - t0:.0f}s)")
             step += 1
     record = {"steps": plan["steps"], "batch": batch, "seq_len": seq_len, "lr": lr, "experts": experts,
               "bf16_autocast": autocast, "batched_selection_rows_differing": selection_differs,
               "corpus_chars": corpus_chars, "train_tokens": len(stream), "held_out_tokens": len(held),
               "first_loss": losses[0],
               "last_loss_mean10": sum(losses[-10:]) / len(losses[-10:]), "train_s": time.perf_counter() - t0}
+    if mtp_losses:
+        record.update(mtp_loss_weight=mtp_loss_weight, mtp_first_loss=mtp_losses[0],
+                      mtp_last_loss_mean10=sum(mtp_losses[-10:]) / len(mtp_losses[-10:]))
     return model.eval(), held, eos, record
 

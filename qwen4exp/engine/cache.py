@@ -85,14 +85,17 @@ def resolve_page_size(model_config: ModelConfig, page_size: int | None) -> int:
 
 
 def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, device,
-                          model: torch.nn.Module | None = None) -> tuple[CacheAllocator, ModelCache]:
+                          model: torch.nn.Module | None = None) -> tuple[CacheAllocator, ModelCache, int]:
     """The cache tensors, as many pages as the memory budget holds (or `num_pages`) and max_num_seqs + 1 slots,
-    with their allocator; logs the memory plan (`qwen4exp.memory`, with the weights of `model` when given)."""
+    with their allocator and the max_model_len they serve (engine_config's, else the model's max_position_embeddings
+    where the pages hold that many tokens, else as many as they hold); logs the memory plan (`qwen4exp.memory`,
+    with the weights of `model` when given)."""
     c, e = model_config, engine_config
     device = torch.device(device)
     page_size = resolve_page_size(c, e.page_size)
     plan = MemoryPlan(str(device), e.cpu_cache_bytes, page_size, max(page_bytes(c, page_size, dtype), 1),
-                      max(slot_bytes(c, dtype), 1), e.max_num_seqs + 1, e.max_model_len, e.max_num_seqs)
+                      max(slot_bytes(c, dtype), 1), e.max_num_seqs + 1, e.max_model_len or c.max_position_embeddings,
+                      e.max_num_seqs)
     hints = []
     if device.type == "cuda":
         memory = DeviceMemory.measure(device, e.gpu_memory_utilization)
@@ -112,7 +115,7 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
                 hints.append("--ple-table-device cpu")
         if device.type == "cuda" and "float8_e4m3fn" not in plan.weights:
             hints.append("--quantization fp8")
-    plan_cache(plan, e.num_pages, tuple(hints))
+    plan_cache(plan, e.num_pages, tuple(hints), fit_max_model_len=e.max_model_len is None)
     allocator = CacheAllocator(plan.num_pages, plan.num_slots, page_size)
     tensors = allocate_cache(c, plan.num_pages, page_size, plan.num_slots, dtype, device)
     logger.info(
@@ -120,4 +123,4 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
         allocator.pages.num_usable * page_size, allocator.slots.num_usable,
     )
     logger.info("\n".join(plan.lines()))
-    return allocator, tensors
+    return allocator, tensors, plan.max_model_len

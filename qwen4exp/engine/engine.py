@@ -12,13 +12,27 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig, ModelConfig, default_max_num_batched_tokens, load_model_config, resolve_device
+from ..config import (
+    EngineConfig,
+    ModelConfig,
+    default_max_num_batched_tokens,
+    generation_defaults,
+    load_model_config,
+    resolve_device,
+)
 from ..memory import InsufficientMemoryError
 from ..weights.loader import load_model
 from .cache import allocate_engine_cache, resolve_page_size
 from .metrics import EngineMetrics
 from .output_processor import OutputProcessor, ParentRequest
-from .request import Request, RequestOutput, RequestStatus, SamplingParams
+from .request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    bad_word_variants,
+    bad_words_token_ids,
+)
 from .runner import ModelRunner
 from .sampler import SampledBatch, Sampler, reads_history
 from .scheduler import Scheduler, SchedulerOutput
@@ -65,8 +79,11 @@ class LLMEngine:
         weights=None,
         tokenizer=None,
         model_config: ModelConfig | None = None,
+        served_model_name: str | None = None,
     ):
+        """served_model_name: the `model_name` label of the metrics (default: the model path)."""
         self.config = engine_config or EngineConfig()
+        self.served_model_name = served_model_name or model or "qwen4exp"
         self.device = resolve_device(self.config.device)
         self.model_config = model_config or load_model_config(model)
         mc = self.model_config
@@ -85,7 +102,9 @@ class LLMEngine:
         # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's); the
         # page size follows the model unless given
         self.config = dataclasses.replace(self.config, page_size=resolve_page_size(mc, self.config.page_size))
-        self.cache, cache_tensors = allocate_engine_cache(mc, self.config, self.dtype, self.device, self.model)
+        self.cache, cache_tensors, max_model_len = allocate_engine_cache(mc, self.config, self.dtype, self.device,
+                                                                         self.model)
+        self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -99,11 +118,14 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
+        # the sampling defaults of requests that leave them unset (vLLM's get_diff_sampling_param)
+        self.generation_defaults = generation_defaults(model, self.config.generation_config,
+                                                       self.config.override_generation_config)
         self.eos_token_ids = list(mc.stop_token_ids)
         self.structured_outputs = StructuredOutputs(self.tokenizer, mc.vocab_size, self.config.max_num_seqs,
                                                     self.device, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.config.max_model_len,
-                                                EngineMetrics())
+                                                self._new_metrics())
         async_scheduling = self.config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _Launched | None = None  # the launched step whose samples are not read yet
@@ -119,8 +141,17 @@ class LLMEngine:
     def metrics(self) -> EngineMetrics:
         return self.output_processor.metrics
 
-    def reset_metrics(self) -> None:
-        self.output_processor.metrics = EngineMetrics()
+    def reset_metrics(self, served_model_name: str | None = None) -> None:
+        """Starts the metrics from zero, labelled with `served_model_name` when given."""
+        self.served_model_name = served_model_name or self.served_model_name
+        self.output_processor.metrics = self._new_metrics()
+
+    def _new_metrics(self) -> EngineMetrics:
+        c = self.config
+        cache_info = {"block_size": str(c.page_size), "cache_dtype": "auto", "enable_prefix_caching": "False",
+                      "gpu_memory_utilization": str(c.gpu_memory_utilization),
+                      "num_gpu_blocks": str(self.cache.pages.num_usable)}
+        return EngineMetrics(self.served_model_name, c.max_model_len, cache_info)
 
     # ----- requests -----
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
@@ -131,10 +162,21 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: the model has no tokenizer; pass bad_words_token_ids")
+            params.bad_words_token_ids = bad_words_token_ids(
+                [self.tokenizer.encode(t, add_special_tokens=False) for t in bad_word_variants(params.bad_words)])
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for word in params.bad_words_token_ids or () for t in word if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"bad_words: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         limit = self.config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:

@@ -3,7 +3,7 @@
 The engine core (engine.py) schedules, runs the model and samples; the sampled ids come here on the host. This
 module appends them to their sequences and to the grammar matchers of structured-output sequences, records logprobs
 and prompt logprobs, detokenizes incrementally and matches stop strings, decides finish reasons (stop ids, EOS, stop
-strings, a grammar that ended, max_tokens, max_model_len), counts the metrics, and builds one RequestOutput per
+strings, a grammar that ended, max_tokens, max_model_len), records the metrics, and builds one RequestOutput per
 client request, its n sequences together. It frees nothing: the engine frees the pages, slot, sampler state and
 matcher of the sequences it reports finished.
 """
@@ -75,28 +75,29 @@ class OutputProcessor:
         logits rows when prompt logprobs need them, `sampled` the requests that sampled a token and `samples` their
         ids (row i: sampled[i]). Returns the outputs of the client requests it touched and the sequences that
         finished in it."""
-        row = prompt_tokens = 0
-        for req, start, end, first in spans:
-            if logits is not None and req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1:
-                upto = min(end, req.num_prompt_tokens - 1)
-                self._record_prompt_logprobs(req, logits[row: row + upto - first], first)
-            prompt_tokens += max(0, min(end, req.num_prompt_tokens) - start)
-            row += end - first
-        if prompt_tokens:
-            self.metrics.prompt_tokens.inc(prompt_tokens)
+        if logits is not None:
+            row = 0
+            for req, start, end, first in spans:
+                if req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1:
+                    upto = min(end, req.num_prompt_tokens - 1)
+                    self._record_prompt_logprobs(req, logits[row: row + upto - first], first)
+                row += end - first
         touched: dict[str, ParentRequest] = {}
         finished = []
         now = time.monotonic()
-        generated = 0
+        # as vLLM counts them: a sequence's prompt tokens once, at its first token (a recomputation after a
+        # preemption is not counted again)
+        prompt_tokens = generated = 0
         for i, req in enumerate(sampled):
             if req.finish_reason is not None:  # stopped or aborted while this step ran: its extra token is dropped
                 continue
             generated += 1
+            if req.first_token_time is None:
+                prompt_tokens += req.num_prompt_tokens
             if self._append(req, samples, i, now):
                 finished.append(req)
             touched[req.parent_id] = self.parents[req.parent_id]
-        if generated:
-            self.metrics.generation_tokens.inc(generated)
+        self.metrics.record_step(prompt_tokens, generated)
         for req, *_ in spans:
             if req.prompt_logprobs is not None and req.parent_id in self.parents:
                 touched.setdefault(req.parent_id, self.parents[req.parent_id])
@@ -158,8 +159,7 @@ class OutputProcessor:
 
     def _finish(self, req: Request, reason: str, stop_reason) -> bool:
         req.finish_reason, req.stop_reason = reason, stop_reason
-        self.metrics.finished.labels(finished_reason=reason).inc()
-        self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
+        self.metrics.record_finished(req, req.last_token_time)
         return True
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
@@ -188,6 +188,7 @@ class OutputProcessor:
                      "num_preemptions": sum(r.num_preemptions for r in parent.children)},
         )
         if finished:
+            self.metrics.record_parent_finished(len(parent.children), max(len(c.token_ids) for c in outputs))
             self.parents.pop(parent.request_id, None)
             for req in parent.children:
                 self._detok.pop(req.request_id, None)

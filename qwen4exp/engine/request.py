@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _SAMPLING_EPS = 1e-5
+# vLLM's bounds on bad words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): every sampling step of the
+# request compares the multi-token ones with its last tokens on the host
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOKENS = 1024
 # the constraint fields of StructuredOutputsParams; exactly one is set
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -92,8 +96,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # only these ids may be sampled
+    allowed_token_ids: list[int] | None = None
+    # never generated: a one-token word is never sampled, a longer word's last token is not sampled right after the
+    # rest of it (generated tokens only, as vLLM)
+    bad_words: list[str] | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # bad_words as token id sequences (see bad_words_token_ids); the engine fills it from its tokenizer when None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,10 +155,40 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids", "must be non-negative integers")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
+                bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} strings")
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                bad("bad_words", "must be strings with at least one non-space character")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+
+def bad_word_variants(words: list[str]) -> list[str]:
+    """The texts whose token ids `bad_words_token_ids` reads: each word as it starts a text and after a space."""
+    return [text for w in words for text in (w.lstrip(), " " + w.lstrip())]
+
+
+def bad_words_token_ids(encoded: list[list[int]]) -> list[list[int]]:
+    """vLLM's bad-word sequences from the token ids of `bad_word_variants` (in order): a word's ids, and its ids
+    after a space as well where the space merges into a different first token of the same length (tokenizers that
+    fold the space into the word, as Qwen's byte-level BPE does). Raises ValueError beyond MAX_BAD_WORDS_TOKENS."""
+    out = []
+    for plain, spaced in zip(encoded[::2], encoded[1::2]):
+        out.append(list(plain))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(list(spaced))
+    total = sum(map(len, out))
+    if total > MAX_BAD_WORDS_TOKENS:
+        raise ValueError(f"bad_words: {total} tokens in all, more than {MAX_BAD_WORDS_TOKENS}")
+    return out
 
 
 @dataclass
@@ -215,6 +256,10 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # the phases of the request (time.monotonic(), as arrival_time), for the metrics: queued by the scheduler, first
+    # scheduled (a preempted request's later admissions do not move it), first and latest token read by the host
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
 

@@ -2,11 +2,13 @@
 
 Order per row: a structured-output request's grammar mask first sets the ids its grammar forbids to -inf, in the
 logits as they come (vLLM applies the grammar bitmask before its sampler, so logprobs see it: a forbidden id has
-logprob -inf); logprobs are taken from these logits (vLLM's default `raw_logprobs`); then logit_bias and
-min_tokens masking, repetition / frequency / presence penalties; greedy rows take the argmax; the rest are divided
-by the temperature, filtered by min_p, top_k and top_p, and sampled with the exponential race
-argmax(p / q), q ~ Exp(1). A request with a seed draws q from its own generator, so its tokens do not depend on
-what else is in the batch.
+logprob -inf); logprobs are taken from these logits (vLLM's default `raw_logprobs`); then the tokens a request may
+not sample are masked (outside allowed_token_ids, bad words), then logit_bias and min_tokens masking, repetition /
+frequency / presence penalties; greedy rows take the argmax; the rest are divided by the temperature, filtered by
+min_p, top_k and top_p, and sampled with the exponential race argmax(p / q), q ~ Exp(1). A request with a seed
+draws q from its own generator, so its tokens do not depend on what else is in the batch. A row whose masks
+together allow nothing samples an arbitrary id; a grammar's matcher rejects it and ends the sequence (see
+output_processor.py).
 """
 
 from __future__ import annotations
@@ -56,13 +58,27 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: lis
 
 
 def reads_history(p) -> bool:
-    """Whether sampling this request depends on its previous ids (min_tokens, penalties)."""
-    return bool(p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+    """Whether sampling this request depends on its previous ids (min_tokens, penalties, multi-token bad words)."""
+    return bool(p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                or (p.bad_words_token_ids and any(len(w) > 1 for w in p.bad_words_token_ids)))
+
+
+def _has_mask(p) -> bool:
+    """Whether the request has tokens it may never sample (outside allowed_token_ids, one-token bad words)."""
+    return p.allowed_token_ids is not None or bool(p.bad_words_token_ids and any(len(w) == 1
+                                                                                  for w in p.bad_words_token_ids))
 
 
 def _adjusts_logits(p) -> bool:
-    """Whether apply_penalties may change this request's row (else the raw logits are used without a copy)."""
-    return bool(p.logit_bias) or reads_history(p)
+    """Whether the sampler may change this request's row (else the raw logits are used without a copy)."""
+    return bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids) or reads_history(p)
+
+
+def banned_next(req: Request) -> list[int]:
+    """The last tokens of the request's multi-token bad words whose other tokens are its last generated ones."""
+    out, n = req.output_token_ids, len(req.output_token_ids)
+    return [w[-1] for w in req.params.bad_words_token_ids or ()
+            if 1 < len(w) <= n + 1 and out[n - len(w) + 1:] == w[:-1]]
 
 
 def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -94,6 +110,7 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        self.masks: dict[str, torch.Tensor] = {}
 
     def generator_for(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
@@ -106,6 +123,38 @@ class Sampler:
 
     def release(self, req: Request) -> None:
         self.request_generators.pop(req.request_id, None)
+        self.masks.pop(req.request_id, None)
+
+    def mask_for(self, req: Request, vocab: int) -> torch.Tensor:
+        """[vocab] bool, True at the ids the request may never sample; built on the device once per request."""
+        mask = self.masks.get(req.request_id)
+        if mask is None:
+            p = req.params
+            allowed = p.allowed_token_ids
+            mask = torch.full((vocab,), allowed is not None, dtype=torch.bool, device=self.device)
+            if allowed is not None:
+                mask[to_device(allowed, self.device, torch.long)] = False
+            singles = [w[0] for w in p.bad_words_token_ids or () if len(w) == 1]
+            if singles:
+                mask[to_device(singles, self.device, torch.long)] = True
+            self.masks[req.request_id] = mask
+        return mask
+
+    def apply_bans(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """-inf, in place, at the ids each row may not sample now: its mask (mask_for) and the last tokens of the bad
+        words its last tokens started. One masked fill and one scatter for the batch; no host reads."""
+        rows = [i for i, r in enumerate(requests) if _has_mask(r.params)]
+        if rows:
+            masks = torch.stack([self.mask_for(requests[i], logits.shape[-1]) for i in rows])
+            if len(rows) == len(requests):
+                logits.masked_fill_(masks, float("-inf"))
+            else:
+                index = to_device(rows, logits.device, torch.long)
+                logits[index] = logits[index].masked_fill(masks, float("-inf"))
+        pairs = [(i, t) for i, r in enumerate(requests) if r.params.bad_words_token_ids for t in banned_next(r)]
+        if pairs:
+            index = to_device(list(zip(*pairs)), logits.device, torch.long)
+            logits[index[0], index[1]] = float("-inf")
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> SamplerOutput:
         """logits: [B, V] raw logits (fp32 from the model; a narrower dtype is widened to fp32 for everything but
@@ -121,7 +170,9 @@ class Sampler:
             grammar_mask.apply(logits)
         raw_logits = logits
         if any(_adjusts_logits(r.params) for r in requests):
-            logits = apply_penalties(logits.to(torch.float32, copy=True), requests, stop_ids)
+            logits = logits.to(torch.float32, copy=True)
+            self.apply_bans(logits, requests)
+            logits = apply_penalties(logits, requests, stop_ids)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         # widening is exact and order-preserving, so greedy rows take the argmax of the logits as they come
         if not sampled_rows:

@@ -9,6 +9,7 @@ pages and slot are freed and it waits at the head of the queue to be recomputed 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        request.queued_time = time.monotonic()
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -75,6 +77,8 @@ class Scheduler:
             if pages > self.cache.pages.num_free or self.cache.slots.num_free == 0:
                 break
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.pages = self.cache.pages.allocate(pages)
             req.state_slot = self.cache.slots.allocate(1)[0]
             req.status = RequestStatus.RUNNING

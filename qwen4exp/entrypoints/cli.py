@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import asdict
 
+from .. import __version__
 from ..bench.cli import add_bench_parser
 from ..config import EngineConfig
+from ..logger import configure_logging
 from .default_model import add_model_option, resolve_model
 from .protocol import DEFAULT_MAX_REQUEST_BODY_BYTES
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
 
 
 def _make_random(args) -> None:
@@ -67,7 +70,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name clients pass as `model` (default: the model path); the first one is used")
+                   help="names clients may pass as `model` (default: the model path); /v1/models lists them all and "
+                        "responses carry the first")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health and /metrics")
     p.add_argument("--max-queued-requests", type=_non_negative_int, default=None,
@@ -79,6 +83,21 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (`chat_template`, or `chat_template` in "
                         "`chat_template_kwargs`); without it they are refused with a 400")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="write logprob tokens as 'token_id:{id}' unless a request's return_tokens_as_token_ids says "
+                        "otherwise")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every request with an X-Request-Id header: the request's own, else a random one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse the model's tool calls when a request has tools and tool_choice \"auto\" (its "
+                        "default with tools); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3), qwen3_coder "
+                        "(<tool_call><function=...> XML, Qwen3-Coder); needed by tool_choice other than \"none\"")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave the tools out of the prompt of a request with tool_choice \"none\"")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the answer's reasoning (<think>...</think>) into message.reasoning: qwen3")
     p.add_argument("--renderer-num-workers", type=_positive_int, default=2,
                    help="processes that render chat templates and tokenize (default: %(default)s)")
     p.add_argument("--renderer-timeout", type=_positive_float, default=30.0,
@@ -90,6 +109,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "0 aborts them at once (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the stats line (throughput, running and waiting requests, KV cache usage) every "
+                        "$QWEN4EXP_LOG_STATS_INTERVAL seconds (default 10) while requests run")
     EngineConfig.add_cli_args(p)
 
 
@@ -109,6 +131,7 @@ def serve_main(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen4exp", description=__doc__)
+    p.add_argument("-v", "--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
 
     mr = sub.add_parser("make-random", help="write a random-weight checkpoint")
@@ -138,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

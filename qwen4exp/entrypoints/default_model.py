@@ -1,10 +1,12 @@
 """The model a command runs when none is given: a random-weight `tiny` checkpoint, built on first use into
 $QWEN4EXP_CACHE_DIR (default ~/.cache/qwen4exp) and reused afterwards, so that `serve`, `generate` and `bench` run
-on a fresh machine without a download."""
+on a fresh machine without a download. Its folder is named after the code that writes it, so a checkpoint written
+by an older version (another tokenizer or chat template, new tensors) is not reused."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import shutil
@@ -18,7 +20,7 @@ def resolve_model(model: str | None) -> str:
     if model is not None:
         return model
     root = os.environ.get("QWEN4EXP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "qwen4exp")
-    path = os.path.join(root, "tiny-random")
+    path = os.path.join(root, f"tiny-random-{_writer_digest()}")
     action = "using the"
     if not os.path.isdir(path):
         from ..weights.random_checkpoint import make_random
@@ -38,6 +40,17 @@ def resolve_model(model: str | None) -> str:
     logger.info("no model given: %s random-weight tiny model in %s (its output is gibberish); pass a checkpoint "
                 "directory (`qwen4exp serve MODEL`, `qwen4exp generate --model MODEL`) to run a real one", action, path)
     return path
+
+
+def _writer_digest() -> str:
+    """A short digest of the modules that write the default checkpoint."""
+    from ..weights import random_checkpoint, tokenizer
+
+    digest = hashlib.sha256()
+    for module in (random_checkpoint, tokenizer):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def add_model_option(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from dataclasses import fields
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
 from ..engine.request import RequestOutput, SamplingParams
+from .protocol import ChatCompletionTool, ChatMessage
 
 
 class LLM:
@@ -28,6 +29,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the generation config's defaults
+        (`generation_config`, `override_generation_config`) over SamplingParams'."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def generate(
         self,
         prompts,
@@ -37,7 +43,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: must be one SamplingParams or one per prompt")
         ids = []
@@ -51,15 +57,22 @@ class LLM:
             for rid in ids:
                 self.llm_engine.abort_request(rid)
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """`messages` is one conversation (list of {"role", "content"}) or a list of conversations."""
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """`messages` is one conversation (list of {"role", "content", ...}) or a list of conversations, rendered
+        as the server renders them: a content may be a list of text parts ({"type": "text", "text": ...}, joined by
+        newlines), an assistant's `tool_calls`, a tool's `tool_call_id`, `reasoning`. `tools` ({"type": "function",
+        "function": {name, description, parameters}}) go to the template; `chat_template` replaces the tokenizer's.
+        The outputs are the model's raw text, calls included (as vLLM's LLM.chat)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
+        tools = [ChatCompletionTool.model_validate(t).for_template() for t in tools] if tools else None
         prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                         tokenize=True, return_dict=False,
-                                                         **(chat_template_kwargs or {}))}
+            {"prompt_token_ids": tok.apply_chat_template(
+                [ChatMessage.model_validate(m).for_template() for m in conv], tools=tools,
+                chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False, **(chat_template_kwargs or {}))}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,27 +1,38 @@
-"""OpenAI API request models with vLLM's extra sampling fields, their conversion to SamplingParams, and the
-response models of the OpenAPI document.
+"""OpenAI API request models with vLLM's extra fields, their conversion to SamplingParams, and the response models of
+the OpenAPI document.
 
 Requests are validated strictly: a boolean, an integer or a token id must arrive as that JSON type (`"stream":
 "yes"` or `[[false, true]]` as token ids are 400s, not coerced). Every check that an input can fail raises
-RequestError (a ValueError) whose `param` names the offending field, so the server can answer 400. Responses are
-plain dicts built by the serving modules; their models here only document them.
+RequestError (a ValueError) whose `param` names the offending field, so the server can answer 400. Every field
+vLLM 0.33 accepts is a field here: it works, or it has no effect on what a single engine generates (user, metadata,
+cache_salt...), or a value other than its default is refused with a 400 that says why (`UNSUPPORTED`). Fields
+vLLM does not know either have no effect and are logged once by name. Responses are plain dicts built by the
+serving modules; their models here only document them.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WrapValidator, model_validator
 
-from ..engine.request import SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from ..engine.request import MAX_BAD_WORDS, SamplingParams, StructuredOutputsError, StructuredOutputsParams
+
+logger = logging.getLogger("qwen4exp")
 
 # vLLM's default --max-logprobs: the top-k lists are built per token in Python, so k must stay small
 MAX_LOGPROBS = 20
+# vLLM's bounds: VLLM_MAX_STOP_STRINGS, VLLM_MAX_COMPLETION_PROMPTS
+MAX_STOP_STRINGS = 4
+MAX_COMPLETION_PROMPTS = 1024
 # the server's default body limit: a prompt of 262,144 tokens sent as token ids is about 1.8 MB of JSON, and parsing
 # the worst 4 MiB body holds the event loop for about 0.1-0.5 s
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 
 
 class RequestError(ValueError):
@@ -31,9 +42,40 @@ class RequestError(ValueError):
 
 
 class OpenAIBaseModel(BaseModel):
-    # unknown fields are ignored (as vLLM does) so that newer clients keep working; NaN/Infinity, which Python's
-    # json module accepts, would slip through every range check below
+    # NaN/Infinity, which Python's json module accepts, would slip through every range check below
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+
+
+_LOGGED_UNKNOWN: set[str] = set()
+_MAX_LOGGED_UNKNOWN = 1000  # names remembered; a client sending ever new names cannot grow the set further
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body. A field unknown to the model has no effect (clients of newer OpenAI versions keep working,
+    as with vLLM); each such name is logged once, as a warning."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data):
+        if isinstance(data, dict):
+            new = sorted(str(k)[:64] for k in data.keys() - cls.model_fields.keys()
+                         if str(k)[:64] not in _LOGGED_UNKNOWN)
+            if new:
+                if len(_LOGGED_UNKNOWN) < _MAX_LOGGED_UNKNOWN:
+                    _LOGGED_UNKNOWN.update(new)
+                logger.warning("%s: fields this server does not know have no effect: %s", cls.__name__,
+                               ", ".join(new))
+        return data
+
+    # fields this server cannot honour: set to anything but their default (or null, false, empty), a 400 says why
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
+
+    def _refuse_unsupported(self) -> None:
+        for name, why in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            if not (value is None or value is False or value == type(self).model_fields[name].default
+                    or (isinstance(value, (dict, list)) and not value)):
+                raise RequestError(f"{name}: not supported: {why}", name)
 
 
 def _lists_by_first_item(value, handler):
@@ -51,29 +93,103 @@ _STRICT = ConfigDict(strict=True)
 _STRINGS, _IDS, _ID_LISTS = (TypeAdapter(t, config=_STRICT) for t in (list[str], list[int], list[list[int]]))
 # a text, token ids, or a batch of either
 Prompt = Annotated[list[int] | list[list[int]] | str | list[str], WrapValidator(_lists_by_first_item)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+def text_of_parts(parts: list, field: str) -> str:
+    """A message's list of content parts as the text the template gets: the text parts joined by newlines (vLLM's
+    "string" content format). Any other part is a RequestError naming `field`: the model reads text only."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f"{field}: content part type {kind!r} is not supported (only 'text': the model reads "
+                               f"text only)", field)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call in an assistant message of the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+    def for_template(self) -> dict[str, Any]:
+        # chat templates take the arguments as a mapping (transformers' convention, as vLLM passes them); text that
+        # is no JSON object becomes {} rather than failing every later turn of the conversation, as in vLLM
+        args = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except ValueError:
+                args = {}
+        call = {"type": "function", "function": {"name": self.function.name,
+                                                 "arguments": args if isinstance(args, dict) else {}}}
+        return call if self.id is None else {"id": self.id, **call}
 
 
 class ChatMessage(BaseModel):
-    # name, tool_calls... go to the template as is
+    # other fields go to the template as they are
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer to that call
+    # an assistant's reasoning (vLLM's name; `reasoning_content` is its older one): templates get it under both
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def for_template(self) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            texts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestError(f"messages: content part type {part.get('type')!r} is not supported "
-                                       f"(only 'text')", "messages")
-                texts.append(part["text"])
-            msg["content"] = "\n".join(texts)
+            msg["content"] = text_of_parts(self.content, "messages")
+        elif self.content is None:  # an assistant's turn that only calls tools
+            msg["content"] = ""
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        else:
+            msg.pop("tool_calls", None)
         return msg
 
 
@@ -100,19 +216,41 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     disable_any_whitespace: bool = False
 
 
-class _SamplingRequest(OpenAIBaseModel):
+_NO_MULTIMODAL = "the model reads text only"
+_NO_RENDER = "it applies to vLLM's /render endpoints, which this server does not have"
+# vLLM request fields that this server cannot honour, with the reason a value other than the default is refused
+_UNSUPPORTED_SAMPLING = {
+    "use_beam_search": "beam search is not implemented",
+    "length_penalty": "it applies to beam search, which is not implemented",
+    "watermarking": "watermarking is not implemented",
+    "logprob_token_ids": "logprobs of chosen token ids are not implemented; use logprobs (top-k)",
+    "logits_processors": "custom logits processors are not supported",
+    "kv_transfer_params": "disaggregated serving (KV transfer) is not supported",
+    "ec_transfer_params": "disaggregated serving (encoder cache transfer) is not supported",
+    "vllm_xargs": "the server has no extensions that read them",
+    "repetition_detection": "repetition detection is not implemented",
+    "return_weight_versions": "weight versions are not tracked (the weights never change while serving)",
+    "routed_experts_prompt_start": "routed experts are not returned",
+    "return_token_offsets": _NO_RENDER,
+    "mm_payload": _NO_RENDER,
+    "return_mm_kwargs": _NO_RENDER,
+    "priority": "the scheduler serves requests in arrival order (no priority scheduling, where vLLM refuses it too)",
+}
+
+
+class _SamplingRequest(RequestModel):
     model: str | None = None
     n: int = Field(1, le=128)
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
-    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(None, description="Accepted; has no effect on the output.")
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -121,11 +259,55 @@ class _SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="Only these token ids may be sampled.")
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] = Field(
+        default_factory=list, description="Words never generated (a multi-token word's last token is not sampled "
+                                          "right after the rest of it).")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None = Field(
+        None, description="Keep only this many prompt tokens (-1: as many as max_model_len allows).")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="With truncate_prompt_tokens: left (the default) keeps the last tokens, right the first.")
+    return_token_ids: bool | None = Field(None, description="Add the prompt's and each choice's token ids.")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="Logprob tokens as 'token_id:{id}' (default: --return-tokens-as-token-ids).")
+    stream_interval: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Tokens per streamed chunk (the first and the last chunk go out at once).")
+    request_id: str | None = Field(
+        None, max_length=256, description="The response's id (after its prefix), unless an X-Request-Id header "
+                                          "gives one.")
+    session_id: str | None = Field(None, description="Accepted; has no effect on the output.")
+    cache_salt: str | None = Field(
+        None, description="Accepted (checked as vLLM does); the server has no prefix cache to salt.")
+    priority: Int64 = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    watermarking: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    logits_processors: list[str | dict[str, Any]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    return_weight_versions: bool = False
+    routed_experts_prompt_start: Annotated[int, Field(ge=0)] = 0
+    return_token_offsets: bool | None = False
+    mm_payload: Literal["tensors", "none"] = "tensors"
+    return_mm_kwargs: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_vllm_rules(self):
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise RequestError("stream_options: only allowed when stream is true", "stream_options")
+        salt = self.cache_salt
+        if salt is not None and (not salt or len(salt) > 128 or any(c in salt for c in "@/\\\0")):
+            raise RequestError("cache_salt: must be 1 to 128 characters without '@', '/', '\\' or NUL",
+                               "cache_salt")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -158,12 +340,32 @@ class _SamplingRequest(OpenAIBaseModel):
         except StructuredOutputsError as e:
             raise RequestError(str(e), self.structured_outputs_field) from None
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        return server_default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
+
+    def truncation(self, max_model_len: int) -> tuple[int, str] | None:
+        """(tokens to keep, side) of truncate_prompt_tokens, or None; -1 keeps max_model_len - 1 (room for one
+        generated token), as vLLM."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k > max_model_len:
+            raise RequestError(f"truncate_prompt_tokens: {k} is more than max_model_len={max_model_len}",
+                               "truncate_prompt_tokens")
+        return (max_model_len - 1 if k == -1 else k), self.truncation_side or "left"
+
     def _sampling_params(self, vocab_size: int, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
+                         prompt_logprobs: int | None, defaults: dict) -> SamplingParams:
+        self._refuse_unsupported()
         if self.stream and self.prompt_logprobs is not None:  # a stream has no place for them (vLLM: 400 too)
             raise RequestError("prompt_logprobs: not available when stream is true", "prompt_logprobs")
-        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if k is not None and k > MAX_LOGPROBS:
+        for name, k in (("top_logprobs" if isinstance(self.logprobs, bool) else "logprobs", logprobs),
+                        ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and (k > MAX_LOGPROBS or k == -1):  # -1: the whole vocabulary
                 raise RequestError(f"{name} must be at most {MAX_LOGPROBS}, got {k}.", name)
         bias = {}
         for key, value in (self.logit_bias or {}).items():
@@ -172,23 +374,28 @@ class _SamplingRequest(OpenAIBaseModel):
             if not -100.0 <= value <= 100.0:
                 raise RequestError(f"logit_bias: {value} for token {key} is outside [-100, 100]", "logit_bias")
             bias[int(key)] = value
-        # the sampler indexes logits with these ids (min_tokens masking), so they must exist
-        bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"stop_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab_size})",
-                               "stop_token_ids")
-        top_k = self.top_k
-        if top_k is not None and top_k > vocab_size:
+        # the sampler indexes logits with these ids (min_tokens masking, allowed_token_ids), so they must exist
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or [] if not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"{name}: {bad[:5]} are outside the vocabulary [0, {vocab_size})", name)
+
+        def pick(name: str, neutral):  # the request's value, else the generation config's, else vLLM's neutral one
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, neutral)
+
+        top_k = pick("top_k", 0)
+        if top_k > vocab_size:
             top_k = 0  # keeping more than the vocabulary keeps everything; avoids int64 overflow in the sampler
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if top_k is None else top_k,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=top_k,
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -198,42 +405,74 @@ class _SamplingRequest(OpenAIBaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=pick("skip_special_tokens", True),
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=bias or None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             structured_outputs=self._structured_outputs_params(),
         )
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Prompt
+    prompt: Prompt | None = None
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = Field(None, description="Only null or n: one candidate per returned choice.")
+    add_special_tokens: bool = True
+    prompt_embeds: str | list[str] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {**_UNSUPPORTED_SAMPLING,
+                   "suffix": "insertion (text after the completion) is not implemented",
+                   "prompt_embeds": "prompts are token ids or text; embeddings are not accepted"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_max_tokens_is_default(cls, data):
+        if isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None:
+            data = {**data, "max_tokens": 16}  # vLLM reads null as the default
+        return data
 
     def prompts(self) -> list[str | list[int]]:
+        self._refuse_unsupported()
         p = self.prompt
+        if p is None or p == "" or p == []:
+            raise RequestError("prompt: must not be empty", "prompt")
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise RequestError("prompt: must not be empty", "prompt")
-        return [p] if isinstance(p[0], int) else list(p)
+        if isinstance(p[0], int):
+            return [p]
+        if len(p) > MAX_COMPLETION_PROMPTS:
+            raise RequestError(f"prompt: {len(p)} prompts, more than {MAX_COMPLETION_PROMPTS}", "prompt")
+        return list(p)
 
     @property
     def echo_only(self) -> bool:
         """echo with max_tokens=0: score the prompt, generate nothing (lm-eval's loglikelihood requests)."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
-        if self.suffix is not None:
-            raise RequestError("suffix is not supported", "suffix")
+    def to_sampling_params(self, vocab_size: int, defaults: dict | None = None) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of: not supported: each choice is one sampled sequence (set it to n or leave "
+                               "it out)", "best_of")
         # the engine always generates at least one token; an echo-only request drops it again
         max_tokens = 1 if self.echo_only else self.max_tokens
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
-        return self._sampling_params(vocab_size, max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(vocab_size, max_tokens, self.logprobs, prompt_logprobs, defaults or {})
+
+
+_UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED_SAMPLING,
+    "mm_processor_kwargs": _NO_MULTIMODAL,
+    "media_io_kwargs": _NO_MULTIMODAL,
+    "audio": "audio output is not available: " + _NO_MULTIMODAL,
+    "web_search_options": "web search is not available",
+    "verbosity": "the model has no verbosity setting",
+}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -243,21 +482,87 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(
+        False, description="Render the last message open-ended, for the model to continue it (add_generation_prompt "
+                           "must then be false, or left out).")
+    add_special_tokens: bool = False
     echo: bool = False
+    documents: list[dict[str, str]] | None = Field(None, description="Passed to the chat template as `documents`.")
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = Field(None, description="Add the rendered prompt as `prompt_text`.")
+    tools: list[ChatCompletionTool] | None = None
+    # left out: "auto" when there are tools, else "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    # OpenAI fields vLLM does not model
+    metadata: dict[str, str] | None = Field(None, description="Accepted; has no effect (nothing is stored).")
+    store: bool | None = Field(None, description="Accepted; completions are not stored (no retrieval API).")
+    service_tier: str | None = Field(None, description="Accepted; one tier.")
+    prediction: dict[str, Any] | None = Field(None, description="Accepted; a latency hint that cannot change the "
+                                                                "output.")
+    modalities: list[str] | None = Field(None, description="Only text.")
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
-        if self.top_logprobs is not None and not self.logprobs:
+    UNSUPPORTED: ClassVar[dict[str, str]] = _UNSUPPORTED_CHAT
+
+    @model_validator(mode="after")
+    def _default_tool_choice(self):
+        if "tool_choice" not in self.model_fields_set:
+            self.tool_choice = "auto" if self.tools else "none"
+        return self
+
+    def check_tool_use(self) -> None:
+        """vLLM's checks of `tools` against `tool_choice`."""
+        if self.tools is not None and not self.tools:
+            raise RequestError("tools: must not be an empty array; give at least one tool or leave the field out",
+                               "tools")
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if self.tools is None:
+            raise RequestError("tool_choice: when using `tool_choice`, `tools` must be set", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and not any(t.function.name == choice.function.name
+                                                           for t in self.tools):
+            raise RequestError(f"tool_choice: the function {choice.function.name!r} it names is not among `tools`",
+                               "tool_choice")
+
+    @property
+    def named_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @model_validator(mode="after")
+    def _check_chat_rules(self):
+        if self.continue_final_message and self.add_generation_prompt and (
+                "add_generation_prompt" in self.model_fields_set):
+            raise RequestError("continue_final_message: cannot be used with add_generation_prompt true",
+                               "continue_final_message")
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise RequestError(f"modalities: not supported: {self.modalities}: {_NO_MULTIMODAL}", "modalities")
+        return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        """add_generation_prompt, off when the last message is continued (vLLM refuses both set)."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+    def to_sampling_params(self, vocab_size: int, defaults: dict | None = None) -> SamplingParams:
+        k = self.top_logprobs
+        if k is not None and k < 0 and k != -1:
+            raise RequestError(f"top_logprobs must be non-negative or -1, got {k}.", "top_logprobs")
+        if k is not None and k != 0 and not self.logprobs:
             raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
-        if self.top_logprobs is not None and self.top_logprobs < 0:
-            raise RequestError(f"top_logprobs must be non-negative, got {self.top_logprobs}.", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(vocab_size, max_tokens, logprobs, self.prompt_logprobs)
+        logprobs = (k if k is not None else 0) if self.logprobs else None
+        return self._sampling_params(vocab_size, max_tokens, logprobs, self.prompt_logprobs, defaults or {})
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's TokenizeCompletionRequest ({prompt}) and TokenizeChatRequest ({messages}) in one model."""
 
     model: str | None = None
@@ -267,6 +572,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -276,7 +582,7 @@ class TokenizeRequest(OpenAIBaseModel):
         return self
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
@@ -303,10 +609,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # chat, with --reasoning-parser
 
 
 class PromptLogprob(BaseModel):
@@ -333,6 +644,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     stop_reason: int | str | None
     prompt_logprobs: PromptLogprobs = None
+    # with return_token_ids
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -358,10 +672,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
-    tool_calls: list[dict[str, Any]]
+    content: str | None
+    reasoning: str | None  # with --reasoning-parser
+    tool_calls: list[ToolCall]  # with --tool-call-parser
 
 
 class ChatChoice(BaseModel):
@@ -370,6 +696,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -380,6 +707,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_text: str | None = None  # with return_prompt_text
 
 
 class TokenizeResponse(BaseModel):

@@ -102,16 +102,21 @@ class RenderPool:
         self._closed = False
 
     # ----- jobs (awaited on the event loop) -----
-    async def encode(self, texts: list[str], add_special_tokens: bool, max_tokens: int) -> list[list[int] | int]:
-        """Each text's token ids, or its token count where that exceeds `max_tokens`."""
-        return await self._run("encode", texts, add_special_tokens, max_tokens)
+    async def encode(self, texts: list[str], add_special_tokens: bool, max_tokens: int,
+                     truncate: tuple[int, str] | None = None) -> list[list[int] | int]:
+        """Each text's token ids, or its token count where that exceeds `max_tokens`; with `truncate` = (k, side)
+        the last (left) or first (right) k ids instead."""
+        return await self._run("encode", texts, add_special_tokens, max_tokens, truncate)
 
     async def render_chat(self, conversation: list[dict], add_generation_prompt: bool, template: str | None,
-                          kwargs: dict, max_chars: int, max_tokens: int) -> list[int] | int:
-        """The chat template's token ids (or their count beyond `max_tokens`); a rendered text longer than
-        `max_chars` is a RenderError."""
+                          kwargs: dict, max_chars: int, max_tokens: int, tools: list[dict] | None = None,
+                          suffix: str = "", add_special_tokens: bool = False,
+                          truncate: tuple[int, str] | None = None, with_text: bool = False):
+        """The chat template's token ids (or their count beyond `max_tokens`) for the conversation and `tools`,
+        `suffix` appended to the text, with that text as (ids, text) when `with_text`; a rendered text longer than
+        `max_chars` is a RenderError unless `truncate` (as `encode`) keeps only part of it."""
         return await self._run("render_chat", conversation, add_generation_prompt, template, kwargs, max_chars,
-                               max_tokens)
+                               max_tokens, tools, suffix, add_special_tokens, truncate, with_text)
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run("decode", ids)

@@ -56,27 +56,46 @@ class _TooLong(Exception):
     pass
 
 
-def encode(tok, texts: list[str], add_special_tokens: bool, max_tokens: int) -> list[list[int] | int]:
+def _trim(text: str, max_chars: int, side: str) -> str:
+    """The part of `text` that truncation to at most max_chars / chars-per-token tokens can keep: no more than
+    max_chars characters of the kept side."""
+    if len(text) <= max_chars:
+        return text
+    return text[-max_chars:] if side == "left" else text[:max_chars]
+
+
+def encode(tok, texts: list[str], add_special_tokens: bool, max_tokens: int,
+           truncate: tuple[int, str] | None = None) -> list[list[int] | int]:
     """Token ids of each text, or for a text of more than `max_tokens` tokens only its token count (the server
-    refuses it, so the ids would cross the pipe for nothing)."""
+    refuses it, so the ids would cross the pipe for nothing). With `truncate` = (k, side), the k last (side left) or
+    first (right) ids of each text instead."""
     out = []
     for text in texts:
         ids = tok.encode(text, add_special_tokens=add_special_tokens)
-        out.append(ids if len(ids) <= max_tokens else len(ids))
+        if truncate is not None:
+            k, side = truncate
+            out.append(ids if len(ids) <= k else ids[len(ids) - k:] if side == "left" else ids[:k])
+        else:
+            out.append(ids if len(ids) <= max_tokens else len(ids))
     return out
 
 
 def render_chat(tok, conversation: list[dict], add_generation_prompt: bool, template: str | None, kwargs: dict,
-                max_chars: int, max_tokens: int) -> list[int] | int:
-    """The chat template's token ids (or their count beyond `max_tokens`, as `encode`). The rendered text is
+                max_chars: int, max_tokens: int, tools: list[dict] | None = None, suffix: str = "",
+                add_special_tokens: bool = False, truncate: tuple[int, str] | None = None, with_text: bool = False):
+    """The chat template's token ids (or their count beyond `max_tokens`, as `encode`) for the conversation and
+    `tools`, `suffix` appended to its text, and with `with_text` that text too, as (ids, text). The rendered text is
     tokenized as apply_chat_template(tokenize=True) does, unless it is longer than `max_chars`, which no
-    `max_tokens` tokens can hold."""
-    text = tok.apply_chat_template(conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-                                   tokenize=False, **kwargs)
-    if len(text) > max_chars:
+    `max_tokens` tokens can hold: then it is refused, or with `truncate` cut to the max_chars characters of the kept
+    side first."""
+    text = tok.apply_chat_template(conversation, tools=tools, chat_template=template,
+                                   add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs) + suffix
+    if len(text) > max_chars and truncate is None:
         raise _TooLong(f"the chat template rendered {len(text)} characters, more than {max_chars} (the most that "
                        f"{max_tokens} tokens can hold)")
-    return encode(tok, [text], False, max_tokens)[0]
+    source = text if truncate is None else _trim(text, max_chars, truncate[1])
+    ids = encode(tok, [source], add_special_tokens, max_tokens, truncate)[0]
+    return (ids, text) if with_text else ids
 
 
 def decode(tok, ids: list[int]) -> str:

@@ -19,7 +19,9 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
+import uuid
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -29,7 +31,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
+from ..config import ConfigError, EngineConfig, default_max_num_batched_tokens, resolve_device
 from .async_engine import AsyncEngine
 from .protocol import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -41,14 +43,17 @@ from .protocol import (
     DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    RequestError,
     TokenizeRequest,
     TokenizeResponse,
 )
+from .reasoning import REASONING_PARSERS
 from .render_pool import RenderPool
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_engine import APIError, error_response, to_api_error
 from .serving_tokenization import ServingTokenization
+from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("qwen4exp")
 
@@ -72,6 +77,26 @@ class _APIKeyMiddleware:
                     & (scheme.lower() == b"bearer")):
                 return await error_response(401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _RequestIdHeaderMiddleware:
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a new random one (as
+    vLLM's middleware)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _BodyLimitMiddleware:
@@ -131,19 +156,31 @@ def _streamed(model, what: str) -> dict:
                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
               max_model_len: int | None = None, model_path: str | None = None, *, chat_template: str | None = None,
               trust_request_chat_template: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, renderer_num_workers: int = 2,
-              renderer_timeout: float = 30.0) -> FastAPI:
-    """The app over a started AsyncEngine. Its render pool's processes start here and stop with the app's
-    lifespan (uvicorn's shutdown, or leaving a TestClient)."""
+              renderer_timeout: float = 30.0, return_tokens_as_token_ids: bool = False,
+              enable_request_id_headers: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
+    """The app over a started AsyncEngine. Every name of `served_model_name` is accepted as `model`, and the first
+    is the one responses carry and the metrics' model_name label: an engine started under another name gets fresh
+    metrics (build the app before serving). Its render pool's processes start here and stop with the app's lifespan
+    (uvicorn's shutdown, or leaving a TestClient)."""
+    check_parser_options(tool_call_parser, reasoning_parser, enable_auto_tool_choice)
     engine = async_engine
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if engine.engine.served_model_name != names[0]:
+        engine.engine.reset_metrics(names[0])
     max_model_len = max_model_len or engine.config.max_model_len
     pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
-    args = (engine, pool, served_model_name, max_model_len, chat_template, trust_request_chat_template,
-            renderer_timeout)
-    completion, chat, tokenization = ServingCompletion(*args), ServingChat(*args), ServingTokenization(*args)
+    args = (engine, pool, names, max_model_len, chat_template, trust_request_chat_template,
+            return_tokens_as_token_ids, renderer_timeout)
+    completion, tokenization = ServingCompletion(*args), ServingTokenization(*args)
+    chat = ServingChat(*args, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                       enable_auto_tool_choice=enable_auto_tool_choice,
+                       exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -156,6 +193,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     app = FastAPI(title="qwen4exp OpenAI-compatible server", lifespan=lifespan)
     app.state.render_pool = pool
     app.add_middleware(_BodyLimitMiddleware, limit=max_request_body_bytes)
+    if enable_request_id_headers:
+        app.add_middleware(_RequestIdHeaderMiddleware)
     if api_key:  # added last, so it runs first: no body is read for a request without the key
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
     work = 401 if api_key else None
@@ -176,6 +215,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             return error_response(400, f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, RequestError):  # a rule between fields (protocol.py): its own message and field
+            return error_response(400, str(cause), cause.param)
         msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}"
                         for err in errs[:5])
         return error_response(400, msg, loc[0] if loc else None)
@@ -194,10 +236,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @v1.get("/models", responses={200: {"model": ModelList}, **errors()})
     async def models():
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "qwen4exp",
-            "root": model_path or served_model_name, "parent": None, "max_model_len": max_model_len,
-            "permission": [],
-        }]}
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "qwen4exp",
+            "root": model_path or names[0], "parent": None, "max_model_len": max_model_len, "permission": [],
+        } for name in names]}
 
     @v1.post("/completions", responses={**_streamed(CompletionResponse, "The completion"),
                                         **errors(400, 404, 413, 500, 503)})
@@ -256,6 +297,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     return app
 
 
+def check_parser_options(tool_call_parser: str | None, reasoning_parser: str | None,
+                         enable_auto_tool_choice: bool) -> None:
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: unknown parser {tool_call_parser!r} (one of {sorted(TOOL_PARSERS)})")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: unknown parser {reasoning_parser!r} (one of {sorted(REASONING_PARSERS)})")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: --enable-auto-tool-choice needs --tool-call-parser")
+
+
 def engine_config_from_args(args) -> EngineConfig:
     """The EngineConfig of `qwen4exp serve`'s argparse `args`; the step budget defaults to the server's."""
     config = EngineConfig.from_cli_args(args)
@@ -287,14 +338,39 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, shutdown_timeout: float,
+def log_stats_interval() -> float:
+    """Seconds between the stats lines: $QWEN4EXP_LOG_STATS_INTERVAL (vLLM's VLLM_LOG_STATS_INTERVAL), default 10."""
+    value = os.environ.get("QWEN4EXP_LOG_STATS_INTERVAL", "10")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ConfigError("QWEN4EXP_LOG_STATS_INTERVAL", f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds it. `serve` binds it before the model loads, so that a port in
+    use fails at once, naming --port, instead of after minutes of loading."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError("--port", f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
+                                    f"(or --host), or stop the process that holds it") from None
+    return sock
+
+
+async def serve(app: FastAPI, async_engine: AsyncEngine, sock: socket.socket, shutdown_timeout: float,
                 log_level: str = "info") -> None:
-    """Serves until SIGTERM or SIGINT, then shuts down within `shutdown_timeout` seconds (+ a grace of 2 s for
-    the last responses to go out): stop accepting, let the running requests finish until the timeout, end the rest
-    with finish_reason "abort". A second signal exits at once (status 128 + the signal)."""
+    """Serves on `sock` (bind_socket's) until SIGTERM or SIGINT, then shuts down within `shutdown_timeout` seconds
+    (+ a grace of 2 s for the last responses to go out): stop accepting, let the running requests finish until the
+    timeout, end the rest with finish_reason "abort". A second signal exits at once (status 128 + the signal)."""
     # the grace lets the responses of the requests aborted at the timeout reach their clients
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 2)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 2)
     server = _Server(config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -312,7 +388,7 @@ async def serve(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, s
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        serving = asyncio.ensure_future(server.serve())
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -341,21 +417,36 @@ def run_server(args) -> None:
     from ..engine.engine import LLMEngine
     from .default_model import resolve_model
 
+    # wrong flags, a wrong template path and a port in use fail before the model loads
     config = engine_config_from_args(args)
-    chat_template = load_chat_template(args.chat_template)  # a wrong path fails before the model loads
-    model = resolve_model(args.model)
-    llm_engine = LLMEngine(model, config)
-    async_engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests).start()
+    chat_template = load_chat_template(args.chat_template)
+    check_parser_options(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice)
+    stats_interval = log_stats_interval()
+    sock = bind_socket(args.host, args.port)
     try:
-        name = (args.served_model_name or [model])[0]
-        app = build_app(async_engine, name, api_key=args.api_key, max_model_len=config.max_model_len,
-                        model_path=model, chat_template=chat_template,
-                        trust_request_chat_template=args.trust_request_chat_template,
-                        max_request_body_bytes=args.max_request_body_bytes,
-                        renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout)
-        logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", model, name, args.host, args.port)
-        asyncio.run(serve(app, async_engine, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level))
+        model = resolve_model(args.model)
+        names = args.served_model_name or [model]
+        llm_engine = LLMEngine(model, config, served_model_name=names[0])
+        async_engine = AsyncEngine(llm_engine, max_queued_requests=args.max_queued_requests,
+                                   log_stats=not args.disable_log_stats,
+                                   log_stats_interval=stats_interval).start()
+        try:
+            app = build_app(async_engine, names, api_key=args.api_key,
+                            max_model_len=llm_engine.config.max_model_len, model_path=model,
+                            chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                            max_request_body_bytes=args.max_request_body_bytes,
+                            renderer_num_workers=args.renderer_num_workers, renderer_timeout=args.renderer_timeout,
+                            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                            enable_request_id_headers=args.enable_request_id_headers,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+            logger.info("serving %s as %s on http://%s:%d (OpenAI API under /v1)", model,
+                        ", ".join(map(repr, names)), args.host, args.port)
+            asyncio.run(serve(app, async_engine, sock, args.shutdown_timeout, args.uvicorn_log_level))
+        finally:
+            async_engine.shutdown()
     finally:
-        async_engine.shutdown()
+        sock.close()
     logger.info("engine stopped")
 

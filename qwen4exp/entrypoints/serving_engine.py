@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.request import RequestOutput, SamplingParams, StructuredOutputsError
+from ..engine.request import (RequestOutput, SamplingParams, StructuredOutputsError, bad_word_variants,
+                              bad_words_token_ids)
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from .openai_format import Formatter
 from .protocol import ChatMessage, param_of
@@ -153,22 +155,43 @@ def max_chars_per_token(tokenizer) -> int:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, pool: RenderPool | None, served_model_name: str, max_model_len: int,
-                 chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 grammar_timeout_s: float = 30.0):
+    def __init__(self, engine: AsyncEngine, pool: RenderPool | None, served_model_names: list[str],
+                 max_model_len: int, chat_template: str | None = None, trust_request_chat_template: bool = False,
+                 return_tokens_as_token_ids: bool = False, grammar_timeout_s: float = 30.0):
         self.engine, self.pool = engine, pool
         self.grammar_timeout_s = grammar_timeout_s
-        self.served_model_name, self.max_model_len = served_model_name, max_model_len
+        # every name is accepted as `model`; responses carry the first (as vLLM)
+        self.served_model_names, self.max_model_len = list(served_model_names), max_model_len
+        self.served_model_name = self.served_model_names[0]
         self.chat_template, self.trust_request_chat_template = chat_template, trust_request_chat_template
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
+        self.defaults = engine.generation_defaults
         self.fmt = Formatter(self.tokenizer)
         per_token = max_chars_per_token(self.tokenizer) if self.tokenizer is not None else 0
         self.max_prompt_chars = max_model_len * per_token
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+        if name is not None and name not in self.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    @staticmethod
+    def response_id(prefix: str, raw: Request, request_id: str | None) -> str:
+        """The response's id: the X-Request-Id header's, else the request's `request_id`, else a random one, after
+        `prefix` (vLLM's order). Engine requests get ids of their own, so clients may reuse theirs."""
+        return f"{prefix}-{raw.headers.get('X-Request-Id') or request_id or uuid.uuid4().hex}"
+
+    async def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """The token ids of bad_words as the engine would read them (tokenized in the render pool)."""
+        try:
+            encoded = await self._pool("bad_words").encode(bad_word_variants(words), False, self.max_model_len)
+        except RenderError as e:
+            raise APIError(400, f"bad_words: could not be tokenized: {e}", "bad_words") from None
+        if any(isinstance(ids, int) for ids in encoded):
+            raise APIError(400, f"bad_words: a word is longer than max_model_len={self.max_model_len} tokens",
+                           "bad_words")
+        return parse({"bad_words"}, lambda: bad_words_token_ids(encoded))
 
     # ----- prompt length -----
     def too_long(self, num_tokens: int, field: str) -> APIError:
@@ -192,14 +215,20 @@ class OpenAIServing:
             raise APIError(400, f"{field}: the model has no tokenizer; send token ids", field)
         return self.pool
 
-    async def encode(self, texts: list[str], add_special_tokens: bool, field: str) -> list[list[int]]:
-        """Token ids of texts that fit max_model_len tokens; a longer one is a 400 naming `field`."""
+    async def encode(self, texts: list[str], add_special_tokens: bool, field: str,
+                     truncate: tuple[int, str] | None = None) -> list[list[int]]:
+        """Token ids of texts that fit max_model_len tokens; a longer one is a 400 naming `field`. With `truncate`
+        = (k, side), each text keeps k tokens of that side, however long it was (vLLM's truncate_prompt_tokens)."""
         if not texts:
             return []
-        for text in texts:
-            self.check_chars(len(text), field)
+        if truncate is None:
+            for text in texts:
+                self.check_chars(len(text), field)
+        else:  # no more characters than max_model_len tokens can hold go to the tokenizer, from the kept side
+            cut = self.max_prompt_chars
+            texts = [t if len(t) <= cut else t[-cut:] if truncate[1] == "left" else t[:cut] for t in texts]
         try:
-            encoded = await self._pool(field).encode(texts, add_special_tokens, self.max_model_len)
+            encoded = await self._pool(field).encode(texts, add_special_tokens, self.max_model_len, truncate)
         except RenderError as e:
             raise APIError(400, f"{field}: could not be tokenized: {e}", field) from None
         for ids in encoded:
@@ -225,19 +254,26 @@ class OpenAIServing:
         return value
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None,
-                          kwargs: dict | None) -> list[int]:
-        """The token ids of the conversation as the chat template renders it."""
+                          kwargs: dict | None, *, tools: list[dict] | None = None, suffix: str = "",
+                          add_special_tokens: bool = False, truncate: tuple[int, str] | None = None,
+                          with_text: bool = False, **template_vars):
+        """The token ids of the conversation (and `tools`) as the chat template renders it, then `suffix` (with the
+        rendered text, as (ids, text), when `with_text`). `template_vars` (continue_final_message, documents) go to
+        the template over the request's chat_template_kwargs."""
         template = self.template_for(template, kwargs)
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
+        kwargs.update({k: v for k, v in template_vars.items() if v is not None})
         conversation = parse({"messages"}, lambda: [m.for_template() for m in messages])
         try:
-            ids = await self._pool("messages").render_chat(conversation, add_generation_prompt, template, kwargs,
-                                                           self.max_prompt_chars, self.max_model_len)
+            rendered = await self._pool("messages").render_chat(
+                conversation, add_generation_prompt, template, kwargs, self.max_prompt_chars, self.max_model_len,
+                tools, suffix, add_special_tokens, truncate, with_text)
         except RenderError as e:
             raise APIError(400, f"messages: the chat template could not be applied: {e}", "messages") from None
+        ids = rendered[0] if with_text else rendered
         if isinstance(ids, int):
             raise self.too_long(ids, "messages")
-        return ids
+        return rendered
 
     # ----- structured output -----
     async def compile_grammar(self, params: SamplingParams, field: str) -> None:
@@ -259,8 +295,9 @@ class OpenAIServing:
             raise APIError(400, str(e), e.field) from None
 
     # ----- engine requests -----
-    async def add_all(self, base_id: str, prompts: list, params, fields: set[str]) -> list[RequestStream]:
+    async def add_all(self, prompts: list, params, fields: set[str]) -> list[RequestStream]:
         streams = []
+        base_id = uuid.uuid4().hex
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"

@@ -12,7 +12,8 @@ class ServingTokenization(OpenAIServing):
         self.check_model(req.model)
         if req.messages is not None:
             ids = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template,
-                                         req.chat_template_kwargs)
+                                         req.chat_template_kwargs,
+                                         tools=[t.for_template() for t in req.tools or []] or None)
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             (ids,) = await self.encode([req.prompt], add_special, "prompt")

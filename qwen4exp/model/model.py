@@ -21,9 +21,11 @@ from .state import ModelCache
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, layer_type: str | None = None):
+        """layer_type: config.layer_types[layer_idx] unless given (an MTP layer, layer_idx >= num_hidden_layers,
+        which never has PLE: ple_layer_ids name decoder layers only)."""
         super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
+        self.layer_type = layer_type or config.layer_types[layer_idx]
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(config)
         else:
@@ -63,7 +65,8 @@ class TextModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
         self.hyper_connection_mixer = GatedResidual(config, use_combine=False)
 
-    def forward(self, meta: StepMetadata, cache: ModelCache) -> torch.Tensor:
+    def forward(self, meta: StepMetadata, cache: ModelCache,
+                return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         x = self.embed_tokens(meta.input_ids)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
@@ -80,21 +83,42 @@ class TextModel(nn.Module):
             rows = prefetch.rows(i) if layer.ple is not None else None
             streams, pending = layer(streams, pending, meta, cos, sin, cache.layers[i], cache.ple.get(i), rows,
                                      block_rope)
-        return self.hyper_connection_mixer(streams, *(pending or ()))[1]
+        streams, hidden, _ = self.hyper_connection_mixer(streams, *(pending or ()))
+        return (hidden, streams) if return_streams else hidden
 
 
 class Qwen4ExpForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, mtp: bool = False):
+        """mtp: also build the checkpoint's MTP draft layers (`model.mtp`, see model/mtp.py)."""
         super().__init__()
         self.config = config
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = None
+        if mtp:
+            from .mtp import MultiTokenPredictor  # built from this module's DecoderLayer
 
-    def forward(self, meta: StepMetadata, cache: ModelCache) -> torch.Tensor:
-        """Returns the final hidden states [T, H] of every new token."""
-        return self.model(meta, cache)
+            self.mtp = MultiTokenPredictor(config)
+
+    def forward(self, meta: StepMetadata, cache: ModelCache,
+                return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Returns the final hidden states [T, H] of every new token; with `return_streams`, also the multi-stream
+        state the final mixer read, [T, hc*H] (the MTP layer's input; a tensor the mixer computes anyway)."""
+        return self.model(meta, cache, return_streams)
+
+    def draft(self, meta: StepMetadata, cache: ModelCache, streams: torch.Tensor,
+              step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP draft step (model/mtp.py): meta.input_ids are each row's next token, `streams` [T, hc*H] the
+        multi-stream state of each row (the target's, or the previous draft step's). Runs MTP layer
+        step % mtp_num_hidden_layers on its cache, `cache.layers[num_hidden_layers + that layer]`.
+        Returns (hidden [T, H] for compute_logits, streams [T, hc*H] for the next draft step)."""
+        if self.mtp is None:
+            raise RuntimeError("draft: the model was built without its MTP layers (mtp=True)")
+        layer = step % len(self.mtp.layers)
+        return self.mtp(streams, meta, cache.layers[self.config.num_hidden_layers + layer], layer,
+                        self.model.embed_tokens, self.model.rotary_emb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, vocab] in fp32 (transformers rounds them to the model's dtype; see

@@ -3,6 +3,8 @@
 Attention layers: paged K/V plus QSA's raw indexer keys and compressed block keys (see ops/attention.py).
 GDN layers: one state slot per running request, conv window [conv_dim, K-1] in the model dtype and the recurrent
 state [Hv, Dk, Dv] in fp32. PLE layers: a conv window [hc*H, (K-1)*ngram_size] per slot. Slot 0 is the null slot.
+With `mtp`, the MTP draft layers' attention caches follow the decoder layers' (`ModelCache.layers[num_hidden_layers
++ i]`), on the same pages: a request's page ids index every attention layer's cache, the draft layers' included.
 """
 
 from dataclasses import dataclass
@@ -28,17 +30,22 @@ class GDNState:
 
 @dataclass
 class ModelCache:
-    layers: list  # AttentionCache | GDNState per decoder layer
+    layers: list  # AttentionCache | GDNState per decoder layer, then an AttentionCache per MTP layer (with mtp)
     ple: dict[int, torch.Tensor]  # layer index -> PLE conv windows [S, hc*H, L]
 
 
-def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one page across all attention layers."""
+def num_attention_layers(config: ModelConfig, mtp: bool = False) -> int:
+    """The attention layers whose caches live in pages: the indexed decoder layers, and with `mtp` the MTP layers."""
+    return config.layer_types.count(INDEXED) + (config.mtp_num_hidden_layers if mtp else 0)
+
+
+def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype, mtp: bool = False) -> int:
+    """Bytes of one page across all attention layers (the MTP layers' included with `mtp`)."""
     esize = torch.tensor([], dtype=dtype).element_size()
     per_token = 2 * config.num_key_value_heads * config.head_dim
     if config.qsa:
         per_token += config.indexer_head_dim * (1 + 1 / config.indexer_compress_ratio)
-    return int(per_token * page_size * esize) * config.layer_types.count(INDEXED)
+    return int(per_token * page_size * esize) * num_attention_layers(config, mtp)
 
 
 def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -52,25 +59,28 @@ def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def allocate_cache(
-    config: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device
+    config: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device, mtp: bool = False
 ) -> ModelCache:
+    """Every layer's cache tensors; with `mtp`, an attention cache per MTP layer after the decoder layers'."""
     c = config
+
+    def attention() -> AttentionCache:
+        kv = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
+        index_key = block_key = None
+        if c.qsa:
+            index_key = torch.zeros(num_pages, page_size, c.indexer_head_dim, dtype=dtype, device=device)
+            block_key = torch.zeros(
+                num_pages, page_size // c.indexer_compress_ratio, c.indexer_head_dim, dtype=dtype, device=device
+            )
+        return AttentionCache(
+            torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device), index_key,
+            block_key,
+        )
+
     layers = []
     for layer_type in c.layer_types:
         if layer_type == INDEXED:
-            kv = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
-            index_key = block_key = None
-            if c.qsa:
-                index_key = torch.zeros(num_pages, page_size, c.indexer_head_dim, dtype=dtype, device=device)
-                block_key = torch.zeros(
-                    num_pages, page_size // c.indexer_compress_ratio, c.indexer_head_dim, dtype=dtype, device=device
-                )
-            layers.append(
-                AttentionCache(
-                    torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device),
-                    index_key, block_key,
-                )
-            )
+            layers.append(attention())
         else:
             conv = torch.zeros(num_slots, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
             ssm = torch.zeros(
@@ -78,6 +88,8 @@ def allocate_cache(
                 dtype=torch.float32, device=device,
             )
             layers.append(GDNState(conv, ssm))
+    if mtp:
+        layers += [attention() for _ in range(c.mtp_num_hidden_layers)]
     ple = {
         i - 1: torch.zeros(num_slots, c.hc_count * c.hidden_size, c.ple_conv_state_len, dtype=dtype, device=device)
         for i in c.ple_layer_ids

@@ -1,9 +1,10 @@
 """Checkpoint loading: HF safetensors (one file or an index with shards) into `Qwen4ExpForCausalLM`.
 
-A checkpoint name, with `model.language_model.` (multimodal checkpoints) read as `model.`, is handled by the first
-entry of `RULES` whose pattern it matches:
-- skipped: `model.visual.*`, `mtp.*`, `hashstats_*`, `token_lookup` and the final mixer's unused
-  `block_inject_weight`;
+A checkpoint name, with `model.language_model.` (multimodal checkpoints) read as `model.` and `model.mtp.` as `mtp.`,
+is handled by the first entry of `RULES` whose pattern it matches:
+- skipped: `model.visual.*`, `hashstats_*`, `token_lookup` and the final mixers' unused `block_inject_weight`; the
+  MTP layers' `mtp.*` too (`SKIP_MTP`) unless the model was built with them (`load_model(..., mtp=True)`), when a
+  checkpoint without any is an error that says so;
 - per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (and `.weight_scale_inv`): copied into expert e's rows of
   the stacked expert tensors (`EXPERT_PARTS`, `model.moe.Experts.load_expert_`); already stacked
   `experts.gate_up_proj` / `experts.down_proj` are model tensors;
@@ -68,14 +69,17 @@ _EXPERT = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj
                      r"\.(?P<leaf>weight|weight_scale_inv)$")
 # (rule, pattern): see the module docstring; the first match handles the tensor
 RULES: tuple[tuple[str, re.Pattern], ...] = (
-    ("skip", re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)|hashstats_|token_lookup|"
-                        r"hyper_connection_mixer\.block_inject_weight|rotary_emb\.inv_freq")),
+    ("skip", re.compile(r"^model\.visual\.|hashstats_|token_lookup|hyper_connection_mixer\.block_inject_weight|"
+                        r"rotary_emb\.inv_freq")),
     ("expert", _EXPERT),
     ("table_scale", re.compile(r"^(?P<table>.*\.ngram_embedding)\.weight_scale$")),
     ("table_rows", _SHARD),
     ("hash_buffer", re.compile(r"\.(layer_multipliers|ngram_heads_vocab_sizes|ngram_heads_offsets)$")),
     ("tensor", re.compile("")),
 )
+# the rule before RULES for a model without its MTP layers
+SKIP_MTP = ("skip", re.compile(r"^mtp\."))
+MTP = "mtp."  # the MTP layers' checkpoint names (normalised)
 # a per-expert projection -> the stacked parameter holding it
 EXPERT_PARTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 SCALE = "_scale_inv"  # a block-scaled fp8 weight `x` has its scales in `x_scale_inv`
@@ -98,9 +102,10 @@ def build_model(
     table_dtype: torch.dtype | None = None,
     model: Qwen4ExpForCausalLM | None = None,
     fp8: Iterable[str] = (),
+    mtp: bool = False,
 ) -> Qwen4ExpForCausalLM:
     """Allocate the model directly on `device` (parameters uninitialised but for the merged projections' zero
-    padding rows and biases; fp32 kept for A_log and dt_bias).
+    padding rows and biases; fp32 kept for A_log and dt_bias), with its MTP layers when `mtp`.
 
     The n-gram tables are stored in `table_dtype` (default `dtype`), with the model or in host memory; a host table
     of a GPU model is page-locked so that kernels read its rows in place. `fp8`: the checkpoint weights stored as
@@ -109,7 +114,7 @@ def build_model(
     device = torch.device(device)
     if model is None:
         with torch.device("meta"):
-            model = Qwen4ExpForCausalLM(config)
+            model = Qwen4ExpForCausalLM(config, mtp=mtp)
         use_fp8_(model, fp8)
     tables = set(table_names(model))
     for module_name, module in model.named_modules():
@@ -173,8 +178,20 @@ def fp8_weights(model: Qwen4ExpForCausalLM, config: ModelConfig, checkpoint_name
 
 def _normalise(name: str) -> str:
     if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
+        name = "model." + name[len("model.language_model."):]
+    if name.startswith("model.mtp."):
+        name = name[len("model."):]
     return name
+
+
+class MissingMTPError(WeightLoadError):
+    """The model was asked for its MTP layers and the checkpoint has none."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(
+            f"the checkpoint has no MTP weights (mtp.*), though its config has mtp_num_hidden_layers="
+            f"{config.mtp_num_hidden_layers}: load it without MTP (speculative decoding off), or from a checkpoint "
+            f"that ships its MTP layer")
 
 
 class _TableRows:
@@ -267,6 +284,8 @@ class _Loading:
         self.buffers = dict(model.named_buffers())
         self.experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
         self.tied_lm_head = model.config.tie_word_embeddings
+        self.config = model.config
+        self.mtp = model.mtp is not None
         self.shard_rows, self.table_scales = shard_rows or {}, table_scales or {}
         self.loaded: set[str] = set()  # names of self.targets
         self.expert_parts: dict[str, set[tuple[int, str]]] = {}
@@ -396,7 +415,10 @@ class _Loading:
         return errors
 
     def finish(self) -> None:
-        """Raise WeightLoadError naming every missing, unexpected and mis-shaped tensor."""
+        """Raise WeightLoadError naming every missing, unexpected and mis-shaped tensor (MissingMTPError for a model
+        with MTP layers and a checkpoint without any)."""
+        if self.mtp and not any(n.startswith(MTP) for n in self.loaded):
+            raise MissingMTPError(self.config)
         for table, rows in self.tables.items():
             rows.checkpoint_scale = self.checkpoint_scales.get(table)
             rows.finish(self.buffers[table + "_scale"], self.misshaped)
@@ -440,9 +462,10 @@ def load_weights(
     exact offsets for n-gram shards; without it shards must have equal rows except the last, and shard 0 fixes the
     size. `table_scales` (table name -> scale) quantises rows arriving in another dtype for an fp8 table."""
     loading = _Loading(model, shard_rows, table_scales)
+    rules = RULES if model.mtp is not None else (SKIP_MTP, *RULES)
     for raw_name, tensor in weights:
         name = _normalise(raw_name)
-        rule, match = next((rule, m) for rule, pattern in RULES if (m := pattern.search(name)))
+        rule, match = next((rule, m) for rule, pattern in rules if (m := pattern.search(name)))
         try:
             getattr(loading, rule)(raw_name, match, tensor)
         except TensorShapeError as e:
@@ -545,6 +568,7 @@ def load_model(
     ple_table_dtype: str = "auto",
     gpu_memory_utilization: float = 0.9,
     quantization: str | None = None,
+    mtp: bool = False,
 ) -> Qwen4ExpForCausalLM:
     """load_format: "auto"/"safetensors" (files in model_dir), "dummy" (random, no files). `weights` (an iterator of
     (name, tensor)) overrides the files, e.g. for weights already in memory.
@@ -552,7 +576,8 @@ def load_model(
     ple_table_device: "gpu" (with the model), "cpu" (host memory, page-locked for a GPU model) or "auto" (the GPU
     when it fits, see ngram_table.resolve_table_on_host). ple_table_dtype: "auto" (fp8 if the checkpoint's table is,
     else the model dtype), "fp8" (e4m3 with one scale per table), or a float dtype name. quantization: None, or
-    "fp8" to quantize a checkpoint without fp8 weights on load (see `fp8_weights`)."""
+    "fp8" to quantize a checkpoint without fp8 weights on load (see `fp8_weights`). mtp: also load the MTP draft
+    layers (`model.mtp`): a ConfigError when the config has none, a MissingMTPError when the checkpoint has none."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format: unknown value {load_format!r} (expected auto, safetensors or dummy)")
     if quantization not in (None, "fp8"):
@@ -571,8 +596,11 @@ def load_model(
     if infos is not None:
         source_dtype = next((dt for n, (_, dt) in infos.items() if _table_of(n)), None)
     table_dtype = resolve_table_dtype(ple_table_dtype, dtype, source_dtype)
+    if mtp and names is not None and not any(_normalise(n).startswith(MTP) for n in names):
+        config.check_mtp()
+        raise MissingMTPError(config)
     with torch.device("meta"):
-        meta = Qwen4ExpForCausalLM(config)
+        meta = Qwen4ExpForCausalLM(config, mtp=mtp)
     fp8 = fp8_weights(meta, config, names, quantization)
     use_fp8_(meta, fp8)
     if fp8:

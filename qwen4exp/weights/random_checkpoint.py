@@ -1,7 +1,8 @@
 """`qwen4exp make-random`: write a random-weight checkpoint in the released HF layout.
 
 Per-expert tensors (`mlp.experts.{e}.gate_proj.weight` ...), the n-gram table split into `split_ngram_parts`
-row shards, the PLE hash buffers, config.json, generation_config.json and a tokenizer. Tensors are generated and
+row shards, the PLE hash buffers, the MTP draft layer (`mtp.*`, model/mtp.py; config.json's `mtp_num_hidden_layers`
+and `mtp` sub-object as released), config.json, generation_config.json and a tokenizer. Tensors are generated and
 written one at a time, so presets larger than memory can be produced.
 
 With `quantization="fp8"` it writes the released FP8 layout: config.json's `quantization_config` (its
@@ -34,7 +35,7 @@ _COMMON = dict(
     model_type="qwen4_exp_text", architectures=["Qwen4ExpForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
     attention_bias=False, linear_conv_kernel_dim=4, output_gate_type="sigmoid", norm_topk_prob=True,
     indexer_kv_heads=1, ple_conv_kernel_size=4, make_ngram_vocab_size_divisible_by=128, seed=1234,
-    tie_word_embeddings=False, full_attention_interval=4,
+    tie_word_embeddings=False, full_attention_interval=4, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
 )
 
 PRESETS: dict[str, dict] = {
@@ -85,6 +86,9 @@ def preset_config(preset: str, eos_token_id: int = 0, dtype: str = "bfloat16") -
     interval = cfg.pop("full_attention_interval")
     cfg["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention"
                           for i in range(cfg["num_hidden_layers"])]
+    cfg["mtp"] = dict(hybrid=True, layer_types=["full_attention"] * cfg["mtp_num_hidden_layers"],
+                      mtp_use_hidden_state_from_layer=None, num_hidden_layers=cfg["mtp_num_hidden_layers"],
+                      rope_theta=cfg["rope_parameters"]["rope_theta"])
     return cfg
 
 
@@ -155,7 +159,7 @@ def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 
     config = load_model_config(out_dir)
     torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
-        meta = Qwen4ExpForCausalLM(config)
+        meta = Qwen4ExpForCausalLM(config, mtp=config.mtp_num_hidden_layers > 0)
     use_fp8_(meta, fp8_weights(meta, config, None, quantization))
     model = build_model(config, torch_dtype, "meta", table_dtype=FP8 if quantization else None, model=meta)
     if quantization:

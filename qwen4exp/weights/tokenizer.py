@@ -6,10 +6,60 @@ import json
 import os
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# one token each, as in Qwen3's vocabulary; not special, so detokenized text keeps them for the reasoning and
+# tool-call parsers
+ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
+# Qwen3's prompt format: tools listed in the system turn with the instruction to answer in <tool_call> JSON, an
+# assistant's calls written that way, consecutive tool results as <tool_response>s of one user turn, the reasoning
+# of the answers after the last user query in <think>, and `enable_thinking=False` closing the reasoning at once
 CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- set offset = 0 %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{{- messages[0].content + '\\n\\n' }}{%- set offset = 1 %}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided '"
+    "'with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
+    "'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": '"
+    "'<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[offset:] %}"
+    "{%- set i = loop.index0 + offset %}"
+    "{%- set content = message.content if message.content is string else '' %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if i > ns.last_query and reasoning %}"
+    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if i == 0 or messages[i - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[i + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -46,19 +96,21 @@ Sparse attention selects the most relevant blocks of the context and always keep
 
 
 def build_tokenizer(out_dir: str, vocab_size: int = 1024, model_max_length: int = 262144) -> dict[str, int]:
-    """Train a byte-level BPE on the built-in corpus; write tokenizer.json and tokenizer_config.json.
-    Returns the special token ids."""
+    """Train a byte-level BPE on the built-in corpus; write tokenizer.json and tokenizer_config.json. The
+    vocabulary, special and added tokens included, holds at most `vocab_size` tokens. Returns the special token
+    ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(ADDED_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer)
+    tok.add_tokens(ADDED_TOKENS)  # before the special tokens: a full vocabulary keeps their ids at its end
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
