@@ -193,6 +193,38 @@ def test_free_requests_are_untouched_by_constrained_ones_in_their_batch(llm, tin
             check(kind, llm.get_tokenizer().decode(ids, skip_special_tokens=True))
 
 
+def test_grammar_and_token_bans_apply_together(llm, tiny_dir):
+    """A row under a grammar also keeps its allowed_token_ids and bad words: every token follows both. The outputs
+    are the same with asynchronous scheduling (deferred sampling; a multi-token bad word turns the overlap off), and
+    no sampler state outlives its request."""
+    tok = llm.get_tokenizer()
+    a, b, c, d = (token_id(llm, ch) for ch in "abcd")
+    eos = llm.llm_engine.eos_token_ids
+    so = StructuredOutputsParams(regex="[a-e]{6}")
+    sampled = dict(n=2, temperature=1.0, seed=4, max_tokens=20, structured_outputs=so)
+    requests = [("allowed", SamplingParams(allowed_token_ids=[a, c, *eos], **sampled)),
+                ("one-token words", SamplingParams(bad_words=["b", "d"], **sampled)),
+                ("a word of two tokens", SamplingParams(bad_words_token_ids=[[c, a]], **sampled))]
+
+    def run(engine_llm):
+        outs = engine_llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+        sampler = engine_llm.llm_engine.sampler
+        assert not sampler.request_generators and not sampler.masks
+        return [[(o.token_ids, o.finish_reason) for o in out.outputs] for out in outs]
+
+    sync = run(llm)
+    async_llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=256, num_pages=256, page_size=8,
+                    max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=True)
+    assert run(async_llm) == sync
+    allowed, words, pair = sync
+    for outs in sync:
+        for ids, reason in outs:
+            assert reason == "stop" and re.fullmatch("[a-e]{6}", tok.decode(ids, skip_special_tokens=True)), ids
+    assert all(set(ids) <= {a, c, *eos} for ids, _ in allowed)
+    assert all(b not in ids and d not in ids for ids, _ in words)
+    assert all(not any(ids[i:i + 2] == [c, a] for i in range(len(ids))) for ids, _ in pair)
+
+
 def test_preemption_keeps_each_matcher_on_its_sequence(tiny_dir, llm, property_run):
     """A cache too small for the batch preempts and recomputes constrained sequences (asynchronous scheduling: some
     are preempted with a token in flight); their outputs equal the unpreempted run's."""
@@ -433,8 +465,9 @@ def test_structured_outputs_field_and_json_object_on_both_routes(server):
         assert re.fullmatch(REGEX, c["text"]) and c["finish_reason"] == "stop"
     r = httpx.post(f"{url}/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Pick a color"}], "max_tokens": 40, "temperature": 1.0,
-        "structured_outputs": {"choice": CHOICES}}, timeout=120)
-    assert r.status_code == 200, r.text
+        "structured_outputs": {"choice": CHOICES, "whitespace_pattern": r"[ ]?",
+                               "disable_additional_properties": True}}, timeout=120)
+    assert r.status_code == 200, r.text  # the two options vLLM's xgrammar backend leaves alone are accepted
     assert r.json()["choices"][0]["message"]["content"] in CHOICES
     r = httpx.post(f"{url}/v1/completions", json={
         "prompt": [3, 4, 5], "max_tokens": 160, "temperature": 1.0, "seed": 2, "logit_bias": {"1": 0},
@@ -459,6 +492,9 @@ def test_structured_outputs_field_and_json_object_on_both_routes(server):
     ("completions", {"structured_outputs": {}}, "structured_outputs"),
     ("completions", {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "response_format"),
+    ("completions", {"structured_outputs": {"structural_tag": '{"type": "structural_tag"}'}},
+     "structured_outputs.structural_tag"),
+    ("chat", {"response_format": {"type": "structural_tag", "structures": [], "triggers": []}}, "response_format"),
 ])
 def test_invalid_constraints_get_a_400_naming_the_field(server, route, body, param):
     url, engine = server

@@ -261,6 +261,9 @@ class LLMEngine:
             launched.sampled = self._sample(launched.to_sample, reqs,
                                             [i for i, r in enumerate(reqs) if r.grammar is not None])
             launched.to_sample = None
+            for req in reqs:  # one that finished just now sampled a dropped position: keep no sampler state for it
+                if req.status == RequestStatus.FINISHED:
+                    self.sampler.release(req)
         self._update_gauges()
         return outs
 

@@ -201,8 +201,11 @@ class JsonSchemaResponseFormat(OpenAIBaseModel):
 
 
 class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]  # structural_tag: refused
     json_schema: JsonSchemaResponseFormat | None = None
+
+
+_NO_STRUCTURAL_TAG = "structural tags are not implemented; use a JSON schema, regex, choice or grammar"
 
 
 class StructuredOutputsRequest(OpenAIBaseModel):
@@ -214,6 +217,11 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # as in vLLM's xgrammar backend, no effect: a schema's objects already take no properties it does not name, and
+    # whitespace is JSON's (or none, with disable_any_whitespace)
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None  # refused
 
 
 _NO_MULTIMODAL = "the model reads text only"
@@ -323,10 +331,16 @@ class _SamplingRequest(RequestModel):
         """The constraint of `structured_outputs`, with `response_format`'s replacing the one of its kind (vLLM's
         merge)."""
         so = self.structured_outputs
+        if so is not None and so.structural_tag is not None:
+            raise RequestError(f"structured_outputs.structural_tag: not supported: {_NO_STRUCTURAL_TAG}",
+                               "structured_outputs.structural_tag")
         kwargs = {} if so is None else {"json": so.json_schema, "regex": so.regex, "choice": so.choice,
                                         "grammar": so.grammar, "json_object": so.json_object,
                                         "disable_any_whitespace": so.disable_any_whitespace}
         rf = self.response_format
+        if rf is not None and rf.type == "structural_tag":
+            raise RequestError(f"response_format: type structural_tag is not supported: {_NO_STRUCTURAL_TAG}",
+                               "response_format")
         if rf is not None and rf.type == "json_object":
             kwargs["json_object"] = True
         elif rf is not None and rf.type == "json_schema":
@@ -531,6 +545,12 @@ class ChatCompletionRequest(_SamplingRequest):
                                                            for t in self.tools):
             raise RequestError(f"tool_choice: the function {choice.function.name!r} it names is not among `tools`",
                                "tool_choice")
+        so = self.structured_outputs
+        if isinstance(choice, NamedToolChoice) and so is not None and any(
+                v is not None for v in (so.json_schema, so.regex, so.choice)):
+            raise RequestError("structured_outputs: a json, regex or choice constraint cannot be used with a named "
+                               "tool_choice, which constrains the answer to the function's arguments",
+                               "structured_outputs")
 
     @property
     def named_function(self) -> str | None:

@@ -254,11 +254,11 @@ class OpenAIServing:
         return value
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None,
-                          kwargs: dict | None, *, tools: list[dict] | None = None, suffix: str = "",
+                          kwargs: dict | None, *, tools: list[dict] | None = None,
                           add_special_tokens: bool = False, truncate: tuple[int, str] | None = None,
                           with_text: bool = False, **template_vars):
-        """The token ids of the conversation (and `tools`) as the chat template renders it, then `suffix` (with the
-        rendered text, as (ids, text), when `with_text`). `template_vars` (continue_final_message, documents) go to
+        """The token ids of the conversation (and `tools`) as the chat template renders it (with the rendered text,
+        as (ids, text), when `with_text`). `template_vars` (continue_final_message, documents) go to
         the template over the request's chat_template_kwargs."""
         template = self.template_for(template, kwargs)
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
@@ -267,7 +267,7 @@ class OpenAIServing:
         try:
             rendered = await self._pool("messages").render_chat(
                 conversation, add_generation_prompt, template, kwargs, self.max_prompt_chars, self.max_model_len,
-                tools, suffix, add_special_tokens, truncate, with_text)
+                tools, add_special_tokens, truncate, with_text)
         except RenderError as e:
             raise APIError(400, f"messages: the chat template could not be applied: {e}", "messages") from None
         ids = rendered[0] if with_text else rendered
@@ -278,7 +278,8 @@ class OpenAIServing:
     # ----- structured output -----
     async def compile_grammar(self, params: SamplingParams, field: str) -> None:
         """Compiles the grammar of a structured-output request (the engine then finds it compiled); an invalid one,
-        or one that takes longer than the time limit, is a 400 naming `field`."""
+        or one that takes longer than the time limit, is a 400 naming `field` (the request field the constraint
+        comes from: structured_outputs, response_format, or tools)."""
         constraint = params.structured_outputs
         if constraint is None:
             return
@@ -290,7 +291,7 @@ class OpenAIServing:
             raise APIError(400, f"{field}: compiling its grammar took longer than the time limit of "
                                 f"{self.grammar_timeout_s:g} s", field) from None
         except StructuredOutputsError as e:
-            if field == "response_format":  # its schema arrived as structured_outputs.json
+            if field != "structured_outputs":  # response_format's schema, or the tools' (a forced tool choice)
                 raise APIError(400, f"{field}: {e.reason}", field) from None
             raise APIError(400, str(e), e.field) from None
 
