@@ -535,3 +535,8 @@ def test_throughput_bench_runs_a_structured_share_at_full_length(llm):
     assert result["num_structured"] == 2 and result["total_output_tokens"] == 4 * 6
     with pytest.raises(ValueError, match="structured_fraction"):
         throughput(llm.llm_engine, 4, 8, 6, structured_fraction=1.5)
+    from qwen4exp.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "throughput", "--model", "M", "--structured-fraction", "0.25"])
+    assert args.structured_fraction == 0.25
+    assert build_parser().parse_args(["bench", "throughput", "--model", "M"]).structured_fraction == 0.0

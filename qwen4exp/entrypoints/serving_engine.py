@@ -297,6 +297,11 @@ class OpenAIServing:
 
     # ----- engine requests -----
     async def add_all(self, prompts: list, params, fields: set[str]) -> list[RequestStream]:
+        seats, limit = self.engine.config.max_num_seqs, self.engine.max_queued_requests
+        if limit is not None and len(prompts) > 1 and len(prompts) * params.n > seats + limit:
+            # like a too large n (the engine's check): retrying cannot help, so a client error, not an overload
+            raise APIError(400, f"prompt: {len(prompts)} prompts of {params.n} sequences each can never be admitted "
+                                f"together (max_num_seqs={seats}, max_queued_requests={limit})", "prompt")
         streams = []
         base_id = uuid.uuid4().hex
         try:
