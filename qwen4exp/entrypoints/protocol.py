@@ -486,6 +486,9 @@ _UNSUPPORTED_CHAT = {
     "audio": "audio output is not available: " + _NO_MULTIMODAL,
     "web_search_options": "web search is not available",
     "verbosity": "the model has no verbosity setting",
+    "reasoning_effort": "Qwen3 templates take no effort level; chat_template_kwargs {\"enable_thinking\": false} turns "
+                        "thinking off",
+    "thinking_token_budget": "reasoning is not cut at a budget; max_tokens bounds the whole answer",
 }
 
 
@@ -522,6 +525,8 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     verbosity: str | None = None
+    reasoning_effort: str | None = None
+    thinking_token_budget: int | None = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = _UNSUPPORTED_CHAT
 
