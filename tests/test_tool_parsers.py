@@ -9,8 +9,13 @@ import pytest
 
 from qwen4exp.entrypoints.openai_format import ChatParsing
 from qwen4exp.entrypoints.reasoning import Qwen3ReasoningParser
-from qwen4exp.entrypoints.tool_parsers import (ForcedCallParser, HermesToolParser, Qwen3CoderToolParser, coerce,
-                                               schema_types)
+from qwen4exp.entrypoints.tool_parsers import (
+    ForcedCallParser,
+    HermesToolParser,
+    Qwen3CoderToolParser,
+    coerce,
+    schema_types,
+)
 
 ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 

@@ -20,8 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.request import (RequestOutput, SamplingParams, StructuredOutputsError, bad_word_variants,
-                              bad_words_token_ids)
+from ..engine.request import (
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsError,
+    bad_word_variants,
+    bad_words_token_ids,
+)
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from .openai_format import Formatter
 from .protocol import ChatMessage, param_of
