@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"  # the one place of the version: pyproject.toml reads it from here
 
-from .engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from .engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams, StructuredOutputsParams
 from .entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -193,3 +193,62 @@ def test_programmatic_dependent_launch_changes_no_output(monkeypatch):
         assert llm.llm_engine.cache.all_free()
         del llm
     assert results[0] == results[1]
+
+
+def test_gpu_structured_output_with_graphs_and_deferred_sampling(tmp_path):
+    """Constrained requests beside free ones on the GPU: CUDA-graph decode, asynchronous scheduling (a constrained
+    row's sampling waits for its previous id, read while the model runs), the bitmask copied from pinned memory
+    and applied on the device. Every constrained output satisfies its constraint and ends by its grammar; the
+    device mask equals the CPU's."""
+    import json
+    import re
+
+    from transformers import AutoTokenizer
+
+    from qwen4exp import StructuredOutputsParams
+    from qwen4exp.engine.structured_output import StructuredOutputs
+    from qwen4exp.weights.tokenizer import build_tokenizer
+
+    special = build_tokenizer(str(tmp_path), vocab_size=300)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    hf = hf_model(hf_config(eos_token_id=special["<|im_end|>"]), seed=7)
+    llm = our_llm(hf, device="cuda", tokenizer=tok, max_num_seqs=16, max_num_batched_tokens=64)
+    engine = llm.llm_engine
+    assert engine.runner.graphs is not None and engine.async_scheduling
+    deferred = []
+    launch = engine._launch
+    engine._launch = lambda *a: (lambda step: deferred.append(step.to_sample is not None) or step)(launch(*a))
+    regex = r"[a-c]{2,5}-[0-9]{1,3}"
+    ints = {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 3}
+    constrained = ([StructuredOutputsParams(regex=regex)] * 4
+                   + [StructuredOutputsParams(json=ints, disable_any_whitespace=True)] * 4)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_outputs=so)
+              for i, so in enumerate(constrained)]
+    params += [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 4
+    outs = llm.generate([f"request {i}" for i in range(len(params))], params, use_tqdm=False)
+    for p, out in zip(params, outs):
+        c = out.outputs[0]
+        if p.structured_outputs is None:
+            assert len(c.token_ids) == 24
+        elif p.structured_outputs.regex is not None:
+            assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+        else:
+            values = json.loads(c.text)
+            assert c.finish_reason == "stop" and 1 <= len(values) <= 3 and all(-5 <= v <= 5 for v in values)
+    assert sum(deferred) > 5
+    assert engine.cache.all_free()
+    # the device mask sets the same logits as the host one, padding included
+    logits = torch.randn(5, hf.config.vocab_size)
+
+    def masked(so, device):
+        matchers = [so.matcher(so.compile(StructuredOutputsParams(json={"type": "string"})), []) for _ in range(3)]
+        for m, prefix in zip(matchers, ['"', '"a', '"ab"']):
+            assert m.accept_string(prefix)
+        out = logits.to(device)
+        so.bitmask([0, 2, 3], matchers, 5).apply(out)
+        return out.cpu()
+
+    gpu = masked(engine.structured_outputs, "cuda")
+    cpu = masked(StructuredOutputs(tok, hf.config.vocab_size, 4, "cpu", engine.eos_token_ids), "cpu")
+    assert torch.equal(gpu, cpu) and torch.isinf(gpu[[0, 2, 3]]).any()
+    assert torch.equal(gpu[[1, 4]], logits[[1, 4]])

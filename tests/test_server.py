@@ -214,6 +214,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "a", "n": 4 + MAX_QUEUED + 1}, 400, "n"),  # could never be admitted
+    ("/v1/completions", {"prompt": ["a"] * (4 + MAX_QUEUED + 1)}, 400, "prompt"),  # nor could these together
     ("/v1/completions", {"prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),

@@ -39,7 +39,8 @@ REFUSED_VALUES = {
     "return_weight_versions": True, "routed_experts_prompt_start": 1, "return_token_offsets": True,
     "mm_payload": "none", "return_mm_kwargs": True, "priority": 1, "suffix": "the end", "prompt_embeds": "AAAA",
     "mm_processor_kwargs": {"fps": 1}, "media_io_kwargs": {"image": {"x": 1}}, "audio": {"voice": "alloy"},
-    "web_search_options": {"search_context_size": "low"}, "verbosity": "low",
+    "web_search_options": {"search_context_size": "low"}, "verbosity": "low", "reasoning_effort": "low",
+    "thinking_token_budget": 64,
 }
 REFUSED = ([("/v1/completions", name) for name in CompletionRequest.UNSUPPORTED]
            + [("/v1/chat/completions", name) for name in ChatCompletionRequest.UNSUPPORTED])

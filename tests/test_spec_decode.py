@@ -522,3 +522,31 @@ def test_gpu_dispatch_verifies_as_the_reference(tmp_path, monkeypatch):
     assert any({(1, False)} & set(s) and any(v for _, v in s) and any(n > 1 and not v for n, v in s) for s in steps), \
         "a step must hold a decode, a verified request and a prefill chunk"
     assert engine.cache.all_free()
+
+
+def test_structured_output_requests_decode_without_drafts_beside_speculation(tiny_dir):
+    """A request under a grammar gets no drafts and samples under its mask; its output, and its free neighbours',
+    equal those without speculation (greedy), with drafts half right for the free ones."""
+    from qwen4exp import StructuredOutputsParams
+
+    rng = random.Random(13)
+    grammar = 'root ::= "[" num ("," " "? num){0,2} "]"\nnum ::= "-"? [1-9] [0-9]{0,2}'
+    requests = []
+    for i in range(8):
+        kw = dict(temperature=0.0, max_tokens=14, ignore_eos=i % 2 == 1)
+        if i % 2 == 0:
+            kw["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
+        requests.append((str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 20))], SamplingParams(**kw)))
+    small = dict(ENGINE, num_pages=64, max_num_batched_tokens=24, max_num_seqs=8)
+    expected = serve(LLM(tiny_dir, **small), requests)
+    llm = LLM(tiny_dir, **small, speculative_config=speculative(2))
+    proposer = llm.llm_engine.spec.proposer = ScriptedProposer(
+        {rid: o.outputs[0].token_ids for rid, o in expected.items()}, wrong_half)
+    drafted = []
+    propose = proposer.propose
+    proposer.propose = lambda batch: drafted.extend(
+        e.request.request_id for e in batch.entries if e.num_drafts) or propose(batch)
+    assert_same_outputs(serve(llm, requests), expected, requests)
+    assert all(expected[str(i)].outputs[0].finish_reason == "stop" for i in range(0, 8, 2))  # the grammar's end
+    assert drafted and not {str(i) for i in range(0, 8, 2)} & set(drafted)
+    assert llm.llm_engine.cache.all_free()

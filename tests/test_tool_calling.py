@@ -3,7 +3,8 @@ as vLLM checks it, and the engine's text turned into message.reasoning, content 
 
 The tiny model's answers are random, so the parsers' results are checked two ways: on the server's own answers
 against the same parsers applied to the offline engine's text for the same prompt, and, through the response
-formatting, on scripted answers that do hold calls and reasoning."""
+formatting, on scripted answers that do hold calls and reasoning. tool_choice "required" and a named function
+generate under the tools' JSON schema: sampled over several seeds, the random model's every answer is valid calls."""
 
 import json
 import re
@@ -12,6 +13,7 @@ import threading
 import time
 
 import httpx
+import jsonschema_rs
 import openai
 import pytest
 import uvicorn
@@ -28,6 +30,7 @@ from qwen4exp.entrypoints.reasoning import Qwen3ReasoningParser
 from qwen4exp.entrypoints.server import build_app
 from qwen4exp.entrypoints.serving_chat import ServingChat
 from qwen4exp.entrypoints.tool_parsers import HermesToolParser, Qwen3CoderToolParser
+from qwen4exp.entrypoints.tool_schema import tool_call_constraint
 from qwen4exp.weights.random_checkpoint import make_random
 
 MODEL = "tiny"
@@ -186,6 +189,11 @@ BAD = [
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]},
      "messages"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f"}}]}]}, "messages"),
+    # vLLM: a named function and a structured_outputs constraint exclude each other
+    ({"tools": TOOLS, "tool_choice": NAMED, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    # the forced call's grammar is built from the parameters: a schema it cannot compile
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}], "tool_choice": "required"}, "tools"),
 ]
 
 
@@ -220,20 +228,20 @@ def test_tool_choice_needs_the_server_flags(engine):
 
 # ----- the server's answers: the parsers applied to the engine's text -----
 def expected_answer(reference, messages: list[dict], tool_choice, kwargs: dict, max_tokens: int) -> dict:
-    """What the server must answer: the offline engine's greedy text for the same prompt (a forced call's start
-    appended to it), through the parsers."""
+    """What the server must answer: the offline engine's greedy text for the same prompt (a forced call's under the
+    tools' JSON schema), through the parsers."""
     tok = reference.get_tokenizer()
     named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
     forced = named is not None or tool_choice == "required"
-    prefix = HermesToolParser.forced_prefix(named) if forced else ""
     text = tok.apply_chat_template([ChatMessage.model_validate(m).for_template() for m in messages], tools=TOOLS,
-                                   add_generation_prompt=True, tokenize=False, **kwargs) + prefix
+                                   add_generation_prompt=True, tokenize=False, **kwargs)
     out = reference.generate({"prompt_token_ids": tok.encode(text, add_special_tokens=False)},
-                             SamplingParams(temperature=0, max_tokens=max_tokens, skip_special_tokens=False),
+                             SamplingParams(temperature=0, max_tokens=max_tokens, skip_special_tokens=False,
+                                            structured_outputs=tool_call_constraint(TOOLS, tool_choice)),
                              use_tqdm=False)[0]
-    thinking = kwargs.get("enable_thinking", True) and not forced
-    parsing = ChatParsing(reasoning=Qwen3ReasoningParser, in_reasoning=thinking, prefix=prefix,
-                          max_calls=1 if named else None, forced=forced, named=named is not None)
+    thinking = kwargs.get("enable_thinking", True)
+    parsing = ChatParsing(reasoning=None if forced else Qwen3ReasoningParser, in_reasoning=thinking and not forced,
+                          max_calls=1 if named else None, forced=forced, named=named)
     if tool_choice != "none":
         parsing.tool_parser, parsing.tools = HermesToolParser, TOOLS
     parser = parsing.new_parser()
@@ -265,14 +273,16 @@ def test_answer_is_the_engine_text_parsed(url, reference, tool_choice, kwargs):
         stream["message"]["content"] = ""
     assert without_ids(stream["message"]) == without_ids(choice["message"])
     assert stream["finish_reason"] == choice["finish_reason"]
-    if isinstance(tool_choice, dict):  # the prompt ends with the call's start: the answer is that call
+    if isinstance(tool_choice, dict):  # the grammar starts the answer with the function's arguments
         assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
         assert choice["finish_reason"] in ("stop", "length")
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        assert choice["message"]["content"] == "" and choice["message"]["reasoning"] is None
 
 
 def test_a_forced_call_with_the_request_fields(url, reference):
     """return_token_ids, return_prompt_text, return_tokens_as_token_ids, request_id, stream_interval and
-    truncate_prompt_tokens work on an answer that is parsed into calls; the forced call's start ends the prompt."""
+    truncate_prompt_tokens work on an answer that is parsed into calls."""
     tok = reference.get_tokenizer()
     body = {"messages": [USER], "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 16, "temperature": 0,
             "return_token_ids": True, "return_prompt_text": True, "logprobs": True,
@@ -280,8 +290,7 @@ def test_a_forced_call_with_the_request_fields(url, reference):
     want = expected_answer(reference, [USER], NAMED, {}, 16)
     r = post(url, body).json()
     assert r["id"] == "chatcmpl-forced-1"
-    prefix = HermesToolParser.forced_prefix("get_weather")
-    assert r["prompt_text"].endswith("<|im_start|>assistant\n" + prefix)
+    assert r["prompt_text"].endswith(f"<|im_start|>user\n{USER['content']}<|im_end|>\n<|im_start|>assistant\n")
     assert r["prompt_token_ids"] == tok.encode(r["prompt_text"], add_special_tokens=False)
     assert len(r["prompt_token_ids"]) == want["prompt_tokens"]
     choice = r["choices"][0]
@@ -298,24 +307,70 @@ def test_a_forced_call_with_the_request_fields(url, reference):
     stream = added_up(chunks)
     stream["message"]["content"] = stream["message"]["content"] or ""  # a forced call's empty content
     assert without_ids(stream["message"]) == without_ids(choice["message"])
-    # truncated from the left, the prompt keeps its end: the call's start
+    # truncated from the left, the prompt keeps its end; the answer is still the call
     kept = post(url, {**body, "truncate_prompt_tokens": 12}).json()
     assert kept["prompt_token_ids"] == r["prompt_token_ids"][-12:]
     assert [c["function"]["name"] for c in kept["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
 
 
-def test_a_continued_final_message_gets_no_call_start(url):
-    """continue_final_message renders the assistant's message open for the model to go on: a forced call's start
-    is not added after it (as with add_generation_prompt false)."""
+def test_a_forced_choice_leaves_the_prompt_as_the_template_renders_it(url):
+    """The grammar forces the call, not the prompt: "required" and a named function get the prompt "auto" gets,
+    with a generation prompt, with a continued final message and with neither."""
     messages = [USER, {"role": "assistant", "content": "Let me check"}]
-    body = {"messages": messages, "tools": TOOLS, "tool_choice": "required", "max_tokens": 4, "temperature": 0,
-            "return_prompt_text": True}
-    for extra in ({"continue_final_message": True}, {"add_generation_prompt": False}):
-        r = post(url, {**body, **extra})
-        assert r.status_code == 200, r.text
-        assert "<tool_call>" not in r.json()["prompt_text"].rsplit("<|im_start|>", 1)[-1]
-    continued = post(url, {**body, "continue_final_message": True}).json()["prompt_text"]
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": 4, "temperature": 0, "return_prompt_text": True}
+    for extra in ({}, {"continue_final_message": True}, {"add_generation_prompt": False}):
+        auto = post(url, {**body, **extra, "tool_choice": "auto"}).json()["prompt_text"]
+        for choice in ("required", NAMED):
+            r = post(url, {**body, **extra, "tool_choice": choice})
+            assert r.status_code == 200, r.text
+            assert r.json()["prompt_text"] == auto
+    continued = post(url, {**body, "continue_final_message": True, "tool_choice": "required"}).json()["prompt_text"]
     assert continued.endswith("<|im_start|>assistant\nLet me check")
+
+
+# bounded values keep the random model's calls short; what makes them valid is the grammar
+BOUNDED = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "metric": {"type": "boolean"},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}, {"type": "function", "function": {"name": "get_time"}}]
+
+
+def choice_stream(chunks: list[dict], index: int) -> list[dict]:
+    return [{**c, "choices": [x for x in c["choices"] if x["index"] == index]} for c in chunks]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_choice_always_answers_valid_calls(url, tool_choice):
+    """Sampled at temperature 1 over several seeds, every answer is calls whose arguments follow their tool's
+    parameters schema: a named function exactly one call of it (finish_reason "stop", as OpenAI's), "required" one
+    call or more of the tools ("tool_calls"). The same seed streamed gives the same calls."""
+    empty = {"type": "object", "additionalProperties": False}  # a tool without parameters takes {}
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or empty for t in BOUNDED}
+    named = isinstance(tool_choice, dict)
+    body = {"messages": [USER], "tools": BOUNDED, "tool_choice": tool_choice, "n": 4, "temperature": 1.0,
+            "max_tokens": 400}
+    answers = set()
+    for seed in (0, 1, 2):
+        r = post(url, {**body, "seed": seed})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert len(choices) == 4
+        for choice in choices:
+            message = choice["message"]
+            assert message["content"] == "" and message["reasoning"] is None and message["tool_calls"]
+            for call in message["tool_calls"]:
+                assert ID.fullmatch(call["id"]) and call["type"] == "function"
+                jsonschema_rs.validate(schemas[call["function"]["name"]], json.loads(call["function"]["arguments"]))
+            if named:
+                assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+            assert choice["finish_reason"] == ("stop" if named else "tool_calls")
+            answers.add(json.dumps(without_ids(message)["tool_calls"]))
+        chunks = streamed(url, {**body, "seed": seed})
+        for choice in choices:
+            stream = added_up(choice_stream(chunks, choice["index"]))
+            assert without_ids(stream["message"]) == without_ids({**choice["message"], "content": None})
+            assert stream["finish_reason"] == choice["finish_reason"]
+    assert len(answers) > 2  # the samples differ: the calls are the grammar's doing, not one answer repeated
 
 
 def test_reasoning_off_by_request_and_left_out(url, reference):
@@ -395,17 +450,14 @@ def scripted_outputs(tok, text: str, finish_reason: str) -> list[CompletionOutpu
 
 
 @pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
-@pytest.mark.parametrize("request_fields", [{}, {"parallel_tool_calls": False}, {"tool_choice": NAMED},
-                                            {"include_reasoning": False}],
-                         ids=["auto", "one-call", "named", "no-reasoning"])
+@pytest.mark.parametrize("request_fields", [{}, {"parallel_tool_calls": False}, {"include_reasoning": False}],
+                         ids=["auto", "one-call", "no-reasoning"])
 def test_scripted_answer_streamed_adds_up_to_the_message(engine, reference, parser, request_fields):
     tok = reference.get_tokenizer()
     serving = ServingChat(engine, None, [MODEL], MAX_LEN, tool_call_parser=parser, reasoning_parser="qwen3",
                           enable_auto_tool_choice=True)
     req = ChatCompletionRequest.model_validate({"messages": [USER], "tools": TOOLS, **request_fields})
-    named = "tool_choice" in request_fields
     parsing = serving._parsing(req)
-    parsing.prefix = ""  # the script is the whole answer, a forced call's start included
     outputs = scripted_outputs(tok, SCRIPTS[parser], "stop")
     fmt = Formatter(tok)
     out = RequestOutput("r", None, [1], None, [outputs[-1]], True)
@@ -416,12 +468,12 @@ def test_scripted_answer_streamed_adds_up_to_the_message(engine, reference, pars
                                     "The user wants the weather.")
     calls = message["tool_calls"]
     want = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]
-    if named or request_fields.get("parallel_tool_calls") is False:
+    if request_fields.get("parallel_tool_calls") is False:
         want = want[:1]
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want
     assert all(ID.fullmatch(c["id"]) and c["type"] == "function" for c in calls)
     assert len({c["id"] for c in calls}) == len(calls)
-    assert choice["finish_reason"] == ("stop" if named else "tool_calls")
+    assert choice["finish_reason"] == "tool_calls"
     state = fmt.new_stream_state()
     chunks = [{"choices": [d]} for o in outputs if (d := fmt.chat_delta(req, o, state, parsing=parsing)) is not None]
     assert len(chunks) > len(calls) + 2  # incremental: not one chunk at the end
@@ -430,4 +482,40 @@ def test_scripted_answer_streamed_adds_up_to_the_message(engine, reference, pars
     assert stream["finish_reason"] == choice["finish_reason"]
     # a cut at max_tokens stays visible
     cut = scripted_outputs(tok, SCRIPTS[parser], "length")[-1]
+    assert fmt.chat_choice(req, out, cut, "", parsing=parsing)["finish_reason"] == "length"
+
+
+FORCED_SCRIPTS = {"required": '[{"name": "get_weather", "parameters": {"city": "Paris",\n "days": 2}}, '
+                              '{"name": "get_time", "parameters": {}}]',
+                  "named": '{"city": "Paris",\n "days": 2}'}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_scripted_forced_answer_streamed_adds_up_to_the_message(engine, reference, parser, tool_choice):
+    """A forced choice's answer is the JSON of its schema whatever the server's tool-call parser: the calls come
+    from that JSON, with no content or reasoning; finish_reason "stop" for a named function, else "tool_calls"."""
+    tok = reference.get_tokenizer()
+    serving = ServingChat(engine, None, [MODEL], MAX_LEN, tool_call_parser=parser, reasoning_parser="qwen3",
+                          enable_auto_tool_choice=True)
+    req = ChatCompletionRequest.model_validate({"messages": [USER], "tools": TOOLS, "tool_choice": tool_choice})
+    named = isinstance(tool_choice, dict)
+    parsing = serving._parsing(req)
+    outputs = scripted_outputs(tok, FORCED_SCRIPTS["named" if named else "required"], "stop")
+    fmt = Formatter(tok)
+    out = RequestOutput("r", None, [1], None, [outputs[-1]], True)
+    choice = fmt.chat_choice(req, out, outputs[-1], "", parsing=parsing)
+    message = choice["message"]
+    assert message["content"] == "" and message["reasoning"] is None
+    want = [("get_weather", {"city": "Paris", "days": 2})] + ([] if named else [("get_time", {})])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == want
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris", "days": 2}'  # json.dumps's form
+    assert choice["finish_reason"] == ("stop" if named else "tool_calls")
+    state = fmt.new_stream_state()
+    chunks = [{"choices": [d]} for o in outputs if (d := fmt.chat_delta(req, o, state, parsing=parsing)) is not None]
+    assert len(chunks) > len(want) + 2  # incremental: not one chunk at the end
+    stream = added_up(chunks)
+    assert without_ids(stream["message"]) == without_ids({**message, "content": None})
+    assert stream["finish_reason"] == choice["finish_reason"]
+    cut = scripted_outputs(tok, FORCED_SCRIPTS["named" if named else "required"], "length")[-1]
     assert fmt.chat_choice(req, out, cut, "", parsing=parsing)["finish_reason"] == "length"

@@ -1,6 +1,6 @@
-"""The tool-call parsers (hermes, qwen3_coder) and the qwen3 reasoning parser on model text: what they make of it,
-and that text streamed in pieces split anywhere (tags cut in the middle, one character at a time) adds up to
-exactly what the whole text gives."""
+"""The tool-call parsers (hermes, qwen3_coder, and the reader of a forced tool choice's JSON) and the qwen3 reasoning
+parser on model text: what they make of it, and that text streamed in pieces split anywhere (tags cut in the middle,
+one character at a time) adds up to exactly what the whole text gives."""
 
 import json
 import re
@@ -9,7 +9,13 @@ import pytest
 
 from qwen4exp.entrypoints.openai_format import ChatParsing
 from qwen4exp.entrypoints.reasoning import Qwen3ReasoningParser
-from qwen4exp.entrypoints.tool_parsers import HermesToolParser, Qwen3CoderToolParser, coerce, schema_types
+from qwen4exp.entrypoints.tool_parsers import (
+    ForcedCallParser,
+    HermesToolParser,
+    Qwen3CoderToolParser,
+    coerce,
+    schema_types,
+)
 
 ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 
@@ -126,14 +132,40 @@ def test_hermes_whitespace_only_content_is_none():
     assert parse_everywhere(HermesToolParser, "plain answer\n")[0] == "plain answer\n"
 
 
-def test_hermes_forced_prefix_starts_the_call():
-    prefix = HermesToolParser.forced_prefix("get_weather")
-    content, calls = parse_everywhere(HermesToolParser, prefix + '{"city": "Rome"}}\n</tool_call>')
-    assert content == "" and calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {
-        "city": "Rome"}
-    content, calls = parse_everywhere(HermesToolParser, HermesToolParser.forced_prefix(None)
-                                      + 'no_schema", "arguments": {"k": [1]}}</tool_call>')
-    assert calls[0]["name"] == "no_schema" and calls[0]["arguments"] == '{"k": [1]}'
+# ----- forced calls: the JSON of tool_call_constraint's schema -----
+def test_forced_required_answer_is_an_array_of_calls():
+    text = ('[\n {"name": "get_weather", "parameters": {"city":"São \\"Paulo\\"" ,\n"days": 3, '
+            '"where": {"lat": [1.5e0, null]}}},{"name":"no_schema","parameters":{}}\n]')
+    content, calls = parse_everywhere(lambda _: ForcedCallParser(), text)
+    assert content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", canonical({"city": 'São "Paulo"', "days": 3, "where": {"lat": [1.5, None]}})),
+        ("no_schema", "{}")]
+    assert all(ID.fullmatch(c["id"]) for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # the parameters before the name: the call is sent when its element ends
+    _, calls = parse_everywhere(lambda _: ForcedCallParser(), '[{"parameters": {"k": [1, 2]}, "name": "f"}]')
+    assert [(c["name"], c["arguments"]) for c in calls] == [("f", '{"k": [1, 2]}')]
+
+
+def test_forced_named_answer_is_the_arguments():
+    content, calls = parse_everywhere(lambda _: ForcedCallParser("get_weather"), '{ "city" :"Rome","days":2 }')
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", canonical({"city": "Rome", "days": 2}))]
+    assert parse_everywhere(lambda _: ForcedCallParser("f"), " \n") == ("", [])  # nothing generated: no call
+
+
+def test_forced_answers_cut_or_broken():
+    """max_tokens cuts a call: it keeps the arguments sent; an element cut before its parameters is no call. Text
+    that breaks the JSON ends the reading."""
+    _, calls = parse_everywhere(lambda _: ForcedCallParser("f"), '{"city": "Ro')
+    assert [(c["name"], c["arguments"]) for c in calls] == [("f", '{"city": "Ro')]
+    _, calls = parse_everywhere(lambda _: ForcedCallParser(), '[{"name": "f", "parameters": {"a": [true, ')
+    assert [(c["name"], c["arguments"]) for c in calls] == [("f", '{"a": [true, ')]
+    _, calls = parse_everywhere(lambda _: ForcedCallParser(), '[{"name": "f", "parameters": {}}, {"name": "g", "para')
+    assert [c["name"] for c in calls] == ["f"]
+    _, calls = parse_everywhere(lambda _: ForcedCallParser(), '[{"name": "f", "parameters": {}}]<tool_call>{"x"')
+    assert [(c["name"], c["arguments"]) for c in calls] == [("f", "{}")]
+    assert parse_everywhere(lambda _: ForcedCallParser(), 'not json [{"name": "f", "parameters": {}}]') == ("", [])
 
 
 # ----- qwen3_coder -----

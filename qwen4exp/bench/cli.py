@@ -38,7 +38,7 @@ def _latency(args) -> None:
 def _throughput(args) -> None:
     from .offline import throughput
 
-    result = throughput(_engine(args), args.num_prompts, args.input_len, args.output_len)
+    result = throughput(_engine(args), args.num_prompts, args.input_len, args.output_len, args.structured_fraction)
     _emit({"model_id": args.model} | result, args.output_json)
 
 
@@ -88,6 +88,9 @@ def add_bench_parser(sub) -> None:
             p.add_argument("--num-iters", type=int, default=3)
         else:
             p.add_argument("--num-prompts", type=int, default=64)
+            p.add_argument("--structured-fraction", type=float, default=0.0,
+                           help="the share of requests that generate under a grammar (structured output), spread "
+                                "evenly over the batch (default: %(default)s)")
         EngineConfig.add_cli_args(p)
         p.set_defaults(func=fn)
     p = bench.add_parser("serve", help="load test a running server (OpenAI completions API)")

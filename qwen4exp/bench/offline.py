@@ -8,8 +8,16 @@ import time
 import numpy as np
 import torch
 
-from ..engine.request import SamplingParams
+from ..engine.request import SamplingParams, StructuredOutputsParams
 from .metrics import RequestTiming, summarize
+
+# The grammar of the structured share of a throughput run: JSON records, one after another without end, so a
+# constrained request generates as many tokens as a free one (and its strings take any character, the costly case
+# for the bitmask, as JSON strings do).
+BENCH_GRAMMAR = r"""root ::= record ",\n" root
+record ::= "{\"id\": " [0-9]+ ", \"name\": " string ", \"tags\": [" (string ("," string)*)? "]}"
+string ::= "\"" ([^"\\\n] | "\\" ["\\/nt])* "\""
+"""
 
 
 def _sync(engine) -> None:
@@ -35,17 +43,21 @@ def spec_decode_stats(before, after) -> dict:
             "spec_decode_per_position_acceptance_rates": [n / drafts if drafts else 0.0 for n in per_pos]}
 
 
-def run_requests(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """Submit all prompts at once, step to completion, time every token (ignore_eos, fixed output length); with
-    speculative decoding, its acceptance (spec_decode_stats)."""
+def run_requests(engine, prompts: list[list[int]], output_len: int, structured_fraction: float = 0.0) -> dict:
+    """Submit all prompts at once, step to completion, time every token (ignore_eos, fixed output length).
+    `structured_fraction` of the requests, spread evenly, generate under BENCH_GRAMMAR. With speculative decoding,
+    its acceptance (spec_decode_stats)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    constrained = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False,
+                                 structured_outputs=StructuredOutputsParams(grammar=BENCH_GRAMMAR))
     timings: dict[str, RequestTiming] = {}
     spec_before = engine.metrics.spec_decode_totals()
     _sync(engine)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         rid = f"bench-{i}-{t0}"
-        engine.add_request(rid, {"prompt_token_ids": p}, params)
+        structured = int((i + 1) * structured_fraction) > int(i * structured_fraction)
+        engine.add_request(rid, {"prompt_token_ids": p}, constrained if structured else params)
         timings[rid] = RequestTiming(arrival=t0, prompt_len=len(p))
     seen = {rid: 0 for rid in timings}
     while engine.has_unfinished_requests():
@@ -80,15 +92,22 @@ def latency(engine, batch_size: int, input_len: int, output_len: int, iters: int
     return med
 
 
-def throughput(engine, num_prompts: int, input_len: int, output_len: int) -> dict:
+def throughput(engine, num_prompts: int, input_len: int, output_len: int, structured_fraction: float = 0.0) -> dict:
     """`num_prompts` requests at once (vLLM's `bench throughput`): vLLM's elapsed_time, num_requests,
-    total_num_tokens, requests_per_second and tokens_per_second (prompt and output tokens), and the run's summary."""
+    total_num_tokens, requests_per_second and tokens_per_second (prompt and output tokens), and the run's summary.
+    `structured_fraction`: the share of requests under a grammar (see run_requests)."""
+    if not 0.0 <= structured_fraction <= 1.0:
+        raise ValueError(f"structured_fraction: must be in [0, 1], got {structured_fraction}")
     vocab = engine.model_config.vocab_size
-    run_requests(engine, random_prompts(min(num_prompts, 4), input_len, vocab, seed=98), 4)  # warm-up
-    r = run_requests(engine, random_prompts(num_prompts, input_len, vocab, seed=7), output_len)
+    # the warm-up also builds the grammar compiler and compiles the grammar when some requests are constrained
+    run_requests(engine, random_prompts(min(num_prompts, 4), input_len, vocab, seed=98), 4,
+                 1.0 if structured_fraction else 0.0)
+    r = run_requests(engine, random_prompts(num_prompts, input_len, vocab, seed=7), output_len, structured_fraction)
     return r | {"elapsed_time": r["duration_s"], "num_requests": r["completed"],
                 "total_num_tokens": r["total_input_tokens"] + r["total_output_tokens"],
-                "requests_per_second": r["request_throughput"], "tokens_per_second": r["total_token_throughput"]}
+                "requests_per_second": r["request_throughput"], "tokens_per_second": r["total_token_throughput"],
+                "num_structured": sum(int((i + 1) * structured_fraction) > int(i * structured_fraction)
+                                      for i in range(num_prompts))}
 
 
 def prefill(engine, input_len: int, iters: int = 3) -> dict:

@@ -1,6 +1,7 @@
 """LLMEngine: add requests, then `step()` until done. One step = schedule -> launch (run the model, sample) ->
 complete (read the samples; output_processor.py turns them into RequestOutputs), with at most one step in flight.
-Speculative decoding (launch verifies drafts, complete drafts the next ones) lives in spec_decode.py."""
+Structured output (grammar masks on the sampled rows) lives in structured_output.py, speculative decoding (launch
+verifies drafts, complete drafts the next ones) in spec_decode.py."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from .sampler import SampledBatch, Sampler, reads_history
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode import SpecDecoder, SpecStep
 from .step_builder import RequestChunk, to_device
+from .structured_output import StructuredOutputs
 from .warmup import warm_up
 
 logger = logging.getLogger("qwen4exp")
@@ -60,13 +62,15 @@ def resolve_dtype(dtype, model_config: ModelConfig, device) -> torch.dtype:
 @dataclass
 class _Launched:
     """A step on the device: its chunks as (request, start, end, first logits position), the logits when prompt
-    logprobs need them, and the sampled rows (`rows`: request id -> row)."""
+    logprobs need them, and the sampled rows (`rows`: request id -> row). `to_sample`: the logits rows still to
+    sample, when a grammar mask waits for ids of the step before (see `step`)."""
 
     spans: list[tuple[Request, int, int, int]]
     logits: torch.Tensor | None
     sample_reqs: list[Request]
     sampled: SampledBatch | None
     rows: dict[str, int]
+    to_sample: torch.Tensor | None = None
 
 
 class LLMEngine:
@@ -126,6 +130,8 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(model, self.config.generation_config,
                                                        self.config.override_generation_config)
         self.eos_token_ids = list(mc.stop_token_ids)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, mc.vocab_size, self.config.max_num_seqs,
+                                                    self.device, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.config.max_model_len,
                                                 self._new_metrics())
         async_scheduling = self.config.async_scheduling
@@ -189,12 +195,18 @@ class LLMEngine:
             )
         if max_tokens < 1:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={limit}")
+        # a cache hit where the server compiled it already (off the engine thread)
+        grammar = (self.structured_outputs.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         now = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(Request(child_id, list(ids), params, index=i, parent_id=request_id, prompt=text,
-                                    arrival_time=now, max_tokens=max_tokens))
+            req = Request(child_id, list(ids), params, index=i, parent_id=request_id, prompt=text,
+                          arrival_time=now, max_tokens=max_tokens)
+            if grammar is not None:
+                req.grammar = self.structured_outputs.matcher(grammar, self._stop_ids(req))
+            children.append(req)
         self.output_processor.add(ParentRequest(request_id, text, list(ids), children))
         for req in children:
             self.scheduler.add(req)
@@ -229,7 +241,10 @@ class LLMEngine:
         """Schedules and launches one step. Synchronous: waits for it and returns its outputs. With asynchronous
         scheduling it returns the outputs of the step launched by the previous call instead, so the host's
         bookkeeping overlaps the device's work; a request that stops on a sampled token then runs one extra
-        position whose token is dropped, and new decode tokens reach the device without a host round trip.
+        position whose token is dropped, and new decode tokens reach the device without a host round trip. A
+        structured-output row's mask needs its sequence's previous id accepted by its grammar: while that id is in
+        flight, the step launches the model, reads the previous step's ids as the device computes, and samples
+        after (as vLLM defers such sampling), so the overlap stays.
 
         token_budget: this step's tokens instead of max_num_batched_tokens; mixed_graphs=False: steps with prefill
         chunks run eagerly even where a mixed-step graph would take them (both for the warm-up)."""
@@ -248,6 +263,15 @@ class LLMEngine:
         else:
             done = launched
         outs = self._complete(done) if done is not None else []
+        if isinstance(launched, _Launched) and launched.to_sample is not None:
+            # the grammar masks needed the ids just read: the model already runs while they were read and accepted
+            reqs = launched.sample_reqs
+            launched.sampled = self._sample(launched.to_sample, reqs,
+                                            [i for i, r in enumerate(reqs) if r.grammar is not None])
+            launched.to_sample = None
+            for req in reqs:  # one that finished just now sampled a dropped position: keep no sampler state for it
+                if req.status == RequestStatus.FINISHED:
+                    self.sampler.release(req)
         self._update_gauges()
         return outs
 
@@ -260,7 +284,8 @@ class LLMEngine:
         return not any(reads_history(r.params) for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
 
     def _launch(self, sched: SchedulerOutput, mixed_graphs: bool = True) -> "_Launched | SpecStep":
-        """Builds the chunks, runs the model and the sampler without waiting for them; advances the requests."""
+        """Builds the chunks, runs the model and the sampler without waiting for them (the sampler waits where a
+        grammar mask needs an id still in flight, see `step`); advances the requests."""
         if self.spec is not None:
             return self.spec.launch(self, sched, mixed_graphs)
         n_ctx = self.model_config.ngram_size - 1
@@ -294,17 +319,29 @@ class LLMEngine:
                 sample_rows.append(row + end - first - 1)
                 sample_reqs.append(req)
             row += end - first
-        sampled = None
+        sampled = to_sample = None
         if sample_reqs:
             if sample_rows != list(range(logits.shape[0])):  # decode steps sample every row, in order
                 logits_s = logits[to_device(sample_rows, logits.device)]
             else:
                 logits_s = logits
-            sampled = self.sampler.sample(logits_s, sample_reqs, [self._stop_ids(r) for r in sample_reqs])
+            constrained = [i for i, r in enumerate(sample_reqs) if r.grammar is not None]
+            # a grammar mask needs its sequence's every id: one still in flight defers the sampling (see `step`)
+            if any(sample_reqs[i].num_pending for i in constrained):
+                to_sample = logits_s
+            else:
+                sampled = self._sample(logits_s, sample_reqs, constrained)
             for req in sample_reqs:
                 req.num_pending += 1
         return _Launched(spans, logits if keep_logits else None, sample_reqs, sampled,
-                         {r.request_id: i for i, r in enumerate(sample_reqs)})
+                         {r.request_id: i for i, r in enumerate(sample_reqs)}, to_sample)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], constrained: list[int]) -> SampledBatch:
+        """Samples one row per request, the `constrained` rows under their grammar's mask."""
+        mask = None
+        if constrained:
+            mask = self.structured_outputs.bitmask(constrained, [reqs[i].grammar for i in constrained], len(reqs))
+        return self.sampler.sample(logits, reqs, [self._stop_ids(r) for r in reqs], mask)
 
     @staticmethod
     def _logits_from(req: Request, start: int, end: int) -> int:
@@ -330,9 +367,10 @@ class LLMEngine:
         return outputs
 
     def _free(self, req: Request) -> None:
-        """Frees the pages, slot and sampler state of a finished or aborted sequence."""
+        """Frees the pages, slot, sampler state and grammar matcher of a finished or aborted sequence."""
         self.scheduler.finish(req)
         self.sampler.release(req)
+        req.grammar = None
 
     def _stop_ids(self, req: Request) -> list[int]:
         ids = list(req.params.stop_token_ids)

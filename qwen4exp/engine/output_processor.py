@@ -1,14 +1,16 @@
 """Output processing: turns the ids a step sampled into what clients receive.
 
 The engine core (engine.py) schedules, runs the model and samples; the sampled ids come here on the host. This
-module appends them to their sequences, records logprobs and prompt logprobs, detokenizes incrementally and matches
-stop strings, decides finish reasons (stop ids, EOS, stop strings, max_tokens, max_model_len), records the metrics,
-and builds one RequestOutput per client request, its n sequences together. It frees nothing: the engine frees the
-pages, slot and sampler state of the sequences it reports finished.
+module appends them to their sequences and to the grammar matchers of structured-output sequences, records logprobs
+and prompt logprobs, detokenizes incrementally and matches stop strings, decides finish reasons (stop ids, EOS, stop
+strings, a grammar that ended, max_tokens, max_model_len), records the metrics, and builds one RequestOutput per
+client request, its n sequences together. It frees nothing: the engine frees the pages, slot, sampler state and
+matcher of the sequences it reports finished.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,8 @@ from .detokenizer import IncrementalDetokenizer
 from .metrics import EngineMetrics
 from .request import CompletionOutput, Logprob, Request, RequestOutput
 from .sampler import SamplerOutput, prompt_logprobs
+
+logger = logging.getLogger("qwen4exp")
 
 
 @dataclass
@@ -115,9 +119,13 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def _append(self, req: Request, out: SamplerOutput, i: int, now: float) -> bool:
-        """Appends row i's token to req; returns whether req finished with it."""
+        """Appends row i's token to req (and to its grammar matcher); returns whether req finished with it."""
         tok = out.token_ids[i]
         req.output_token_ids.append(tok)
+        grammar = req.grammar
+        # the mask allows only what the matcher accepts, unless it allowed nothing (min_tokens banning the stop ids
+        # where the grammar must end): then the row's sample is arbitrary and the sequence cannot go on
+        rejected = grammar is not None and not grammar.accept_token(tok)
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival_time)
@@ -134,12 +142,18 @@ class OutputProcessor:
         detok = self._detok.get(req.request_id)
         if detok is not None and detok.add(tok):
             return self._finish(req, "stop", detok.stop_reason)
+        if rejected:
+            logger.warning("request %s: its grammar allowed no token after %d tokens; it ends with "
+                           "finish_reason 'error'", req.request_id, len(req.output_token_ids) - 1)
+            return self._finish(req, "error", None)
         n_out = len(req.output_token_ids)
         if n_out >= req.params.min_tokens:
             if tok in req.params.stop_token_ids:
                 return self._finish(req, "stop", tok)
             if not req.params.ignore_eos and tok in self.eos_token_ids:
                 return self._finish(req, "stop", None)
+        if grammar is not None and grammar.is_terminated():  # the grammar ended on a stop id ignore_eos kept
+            return self._finish(req, "stop", tok if tok in req.params.stop_token_ids else None)
         if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return self._finish(req, "length", None)
         return False

@@ -3,14 +3,75 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
 # vLLM's bounds on bad words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): every sampling step of the
 # request compares the multi-token ones with its last tokens on the host
 MAX_BAD_WORDS = 128
 MAX_BAD_WORDS_TOKENS = 1024
+# the constraint fields of StructuredOutputsParams; exactly one is set
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsError(ValueError):
+    """A structured-output constraint is invalid; `field` names it (e.g. "structured_outputs.json")."""
+
+    def __init__(self, field_name: str, reason: str):
+        self.field, self.reason = field_name, reason
+        super().__init__(f"{field_name}: {reason}")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's constraint on what a request may generate: exactly one of `json` (a JSON schema, as a dict or its
+    text), `regex`, `choice` (one of these strings), `grammar` (EBNF / GBNF, as xgrammar reads it) or
+    `json_object=True` (any JSON object). `disable_any_whitespace` lets JSON have no whitespace outside strings."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            raise StructuredOutputsError(f"structured_outputs.{name}", f"{why}, got {getattr(self, name)!r}")
+
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise StructuredOutputsError(
+                "structured_outputs", f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must be given, got "
+                f"{', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            bad("json", "must be a JSON schema (a dict or its JSON text)")
+        if isinstance(self.json, dict):
+            try:
+                _json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise StructuredOutputsError("structured_outputs.json", f"is not JSON: {e}") from None
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            bad("regex", "must be a non-empty string")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            bad("choice", "must be a non-empty list of non-empty strings")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            bad("grammar", "must be a non-empty string")
+        if self.json_object is not None and self.json_object is not True:
+            bad("json_object", "must be true when given")
+        if not isinstance(self.disable_any_whitespace, bool):
+            bad("disable_any_whitespace", "must be a boolean")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None)
 
 
 @dataclass
@@ -41,6 +102,7 @@ class SamplingParams:
     # rest of it (generated tokens only, as vLLM)
     bad_words: list[str] | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # bad_words as token id sequences (see bad_words_token_ids); the engine fills it from its tokenizer when None
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -91,6 +153,8 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
                 bad("allowed_token_ids", "must be a non-empty list of token ids")
@@ -187,6 +251,8 @@ class Request:
     # rejected)
     draft_token_ids: list[int] = field(default_factory=list)
     spare_slots: list[int] = field(default_factory=list)
+    # the xgrammar GrammarMatcher of a structured-output request: it has accepted every id in output_token_ids
+    grammar: Any = None
     max_tokens: int = 16  # resolved against max_model_len at admission
     # outputs
     logprobs: list[dict[int, Logprob]] | None = None

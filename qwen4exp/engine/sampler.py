@@ -1,10 +1,14 @@
 """Sampling with vLLM's semantics.
 
-Order per row: logprobs are taken from the raw logits (vLLM's default `raw_logprobs`); then the tokens a request may
+Order per row: a structured-output request's grammar mask first sets the ids its grammar forbids to -inf, in the
+logits as they come (vLLM applies the grammar bitmask before its sampler, so logprobs see it: a forbidden id has
+logprob -inf); logprobs are taken from these logits (vLLM's default `raw_logprobs`); then the tokens a request may
 not sample are masked (outside allowed_token_ids, bad words), then logit_bias and min_tokens masking, repetition /
 frequency / presence penalties; greedy rows take the argmax; the rest are divided by the temperature, filtered by
 min_p, top_k and top_p, and sampled with the exponential race argmax(p / q), q ~ Exp(1). A request with a seed
-draws q from its own generator, so its tokens do not depend on what else is in the batch.
+draws q from its own generator, so its tokens do not depend on what else is in the batch. A row whose masks
+together allow nothing samples an arbitrary id; a grammar's matcher rejects it and ends the sequence (see
+output_processor.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from .request import Request
 from .step_builder import to_device
+from .structured_output import GrammarMask
 
 
 @dataclass
@@ -156,9 +161,13 @@ class Sampler:
         the argmax of greedy rows), one row per request that samples this step."""
         return self.sample(logits, requests, stop_ids).to_host()
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> "SampledBatch":
+    def sample(self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]],
+               grammar_mask: GrammarMask | None = None) -> "SampledBatch":
         """Like __call__ but leaves the results on the device (no host sync), so the next step can be launched
-        before they are read; the sampled ids can feed that step directly (`SampledBatch.token_ids`)."""
+        before they are read; the sampled ids can feed that step directly (`SampledBatch.token_ids`).
+        `grammar_mask` (structured output) is applied to `logits` in place."""
+        if grammar_mask is not None:
+            grammar_mask.apply(logits)
         raw_logits = logits
         if any(_adjusts_logits(r.params) for r in requests):
             logits = logits.to(torch.float32, copy=True)

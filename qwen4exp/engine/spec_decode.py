@@ -31,8 +31,12 @@ On a GPU a stored state is a write of the state per GDN layer, draft and request
 experts per MoE layer; the price of the slots is memory, (1 + k) x the states per sequence (memory.py plans it).
 
 Runs eagerly: steps that verify, and every step with speculation on (they return the multi-stream states), run
-without CUDA graphs; asynchronous scheduling is off (the next step's tokens are the accepted ones). A request under
-a grammar (structured output) decodes without drafts.
+without CUDA graphs; asynchronous scheduling is off (the next step's tokens are the accepted ones).
+
+A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
+speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through
+the drafts before it and rolled back after a rejection; it keeps the grammar's semantics and costs it only the
+speedup.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from ..config import EngineConfig
 from ..model import ModelCache
 from .request import Request
 from .rejection_sampler import RejectionSampler, VerifiedBatch
-from .sampler import Sampler, SamplerOutput
+from .sampler import SampledBatch, Sampler, SamplerOutput
 from .scheduler import SchedulerOutput
 from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
 
@@ -138,6 +142,8 @@ class SpecStep:
     verified: VerifiedBatch | None
     streams: torch.Tensor
     rows: list[int]  # each span's first row in `streams`
+    constrained: list[Request] = field(default_factory=list)  # sampled under a grammar's mask, one token each
+    constrained_sampled: SampledBatch | None = None
 
 
 @dataclass
@@ -194,25 +200,33 @@ class SpecDecoder:
             row += s.num_tokens
         logits, streams = engine.runner.execute(chunks, None, mixed_graphs, return_streams=True)
         logit_rows, sample_reqs, sample_drafts, keep_logits, row = [], [], [], False, 0
+        constrained_rows, constrained = [], []
         for (req, start, end, first), chunk in zip(spans, chunks):
             keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1
             verified = chunk.state_token_slots is not None
-            if verified or end == req.num_tokens:
+            if req.grammar is not None and end == req.num_tokens:
+                constrained_rows.append(row + end - first - 1)
+                constrained.append(req)
+            elif verified or end == req.num_tokens:
                 n = end - start if verified else 1
                 logit_rows += range(row + end - first - n, row + end - first)
                 sample_reqs.append(req)
                 sample_drafts.append(chunk.token_ids[1:] if verified else [])
             req.num_computed_tokens = start if verified else end  # a verified request's is set once verified
             row += end - first
-        verified = None
+        verified = constrained_sampled = None
         if sample_reqs:
             logits_s = logits if logit_rows == list(range(logits.shape[0])) else logits[to_device(logit_rows,
                                                                                                   logits.device)]
             verified = self.rejection.verify(logits_s, sample_reqs, sample_drafts,
                                              [engine._stop_ids(r) for r in sample_reqs])
-            for req in sample_reqs:
-                req.num_pending += 1
-        return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, streams, rows)
+        if constrained:
+            constrained_sampled = engine._sample(logits[to_device(constrained_rows, logits.device)], constrained,
+                                                 list(range(len(constrained))))
+        for req in sample_reqs + constrained:
+            req.num_pending += 1
+        return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, streams, rows,
+                        constrained, constrained_sampled)
 
     def complete(self, engine, step: SpecStep) -> list:
         """Reads the verification (waiting for the device), commits the kept tokens, moves each verified request to
@@ -237,12 +251,17 @@ class SpecDecoder:
                     if a < len(drafts):  # the state after the last kept row is in the spare slot of that row
                         req.state_slot, req.spare_slots[a] = req.spare_slots[a], req.state_slot
             samples = _select(rows_out, commit_rows)
+        if step.constrained:
+            for req in step.constrained:
+                req.num_pending -= 1
+            commit_reqs += step.constrained
+            samples = _concat(samples, step.constrained_sampled.to_host())
         if stats.num_drafts:
             engine.metrics.record_spec_decode(stats)
         outputs, finished = engine.output_processor.process(step.spans, step.logits, commit_reqs, samples)
         for req in finished:
             engine._free(req)
-        sampled = {id(r) for r in step.sample_reqs}
+        sampled = {id(r) for r in step.sample_reqs}  # a grammar's request gets no drafts
         entries = []
         for (req, start, end, first), row in zip(step.spans, step.rows):
             if req.finished:
@@ -263,6 +282,13 @@ class SpecDecoder:
         capacity = len(req.pages) * self.page_size
         return max(0, min(self.k, req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - n - 1,
                           capacity - n + 1))
+
+
+def _concat(a: SamplerOutput | None, b: SamplerOutput) -> SamplerOutput:
+    if a is None:
+        return b
+    return SamplerOutput(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks,
+                         a.topk_ids + b.topk_ids, a.topk_logprobs + b.topk_logprobs)
 
 
 def _select(out: SamplerOutput, rows: list[int]) -> SamplerOutput:

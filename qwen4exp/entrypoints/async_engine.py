@@ -138,6 +138,11 @@ class AsyncEngine:
     def generation_defaults(self) -> dict:
         return self.engine.generation_defaults
 
+    @property
+    def structured_outputs(self):
+        """The engine's grammar compiler (StructuredOutputs); its `compile` may be called from any thread."""
+        return self.engine.structured_outputs
+
     # ----- lifecycle -----
     def start(self) -> AsyncEngine:
         if self._thread is None or not self._thread.is_alive():

@@ -102,7 +102,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="processes that render chat templates and tokenize (default: %(default)s)")
     p.add_argument("--renderer-timeout", type=_positive_float, default=30.0,
                    help="seconds one request's template rendering or tokenization may take before its worker is "
-                        "killed and the request gets a 400 (default: %(default)s)")
+                        "killed and the request gets a 400; also the limit on compiling a structured-output "
+                        "request's grammar (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=_non_negative_int, default=0,
                    help="on SIGTERM or SIGINT, seconds in-flight requests may run on before they are aborted; "
                         "0 aborts them at once (default: %(default)s)")

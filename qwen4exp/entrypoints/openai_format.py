@@ -17,7 +17,7 @@ from typing import Any
 from ..engine.request import CompletionOutput, Logprob, RequestOutput
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .reasoning import Qwen3ReasoningParser
-from .tool_parsers import ToolCallDelta, ToolParser, merge_deltas
+from .tool_parsers import ForcedCallParser, ToolCallDelta, ToolParser, merge_deltas
 
 
 def _lp(x: float) -> float:
@@ -51,17 +51,18 @@ class ChatParsing:
     include_reasoning: bool = True
     tool_parser: type[ToolParser] | None = None
     tools: list[dict] | None = None
-    prefix: str = ""  # the start of a call that ends the prompt (tool_choice "required" or a named function)
     max_calls: int | None = None  # 1 for parallel_tool_calls false or a named function
-    forced: bool = False  # tool_choice "required" or a named function: content is "" rather than null
-    named: bool = False  # a named function: finish_reason stays "stop", as OpenAI's
+    # tool_choice "required" or a named function: the answer is the JSON of tool_call_constraint, read by
+    # ForcedCallParser instead of the tool parser, and its content is "" rather than null
+    forced: bool = False
+    named: str | None = None  # the named function: finish_reason stays "stop", as OpenAI's
 
     def new_parser(self) -> ChoiceParser:
         return ChoiceParser(self)
 
     def finish_reason(self, engine_reason: str | None, called: bool) -> str | None:
         """"tool_calls" for a choice with calls that stopped on its own (a cut at "length" stays visible)."""
-        return "tool_calls" if called and engine_reason == "stop" and not self.named else engine_reason
+        return "tool_calls" if called and engine_reason == "stop" and self.named is None else engine_reason
 
 
 class ChoiceParser:
@@ -70,9 +71,9 @@ class ChoiceParser:
     def __init__(self, parsing: ChatParsing):
         self.parsing = parsing
         self.reasoning = parsing.reasoning(parsing.in_reasoning) if parsing.reasoning else None
-        self.tools = parsing.tool_parser(parsing.tools) if parsing.tool_parser else None
+        self.tools = (ForcedCallParser(parsing.named) if parsing.forced
+                      else parsing.tool_parser(parsing.tools) if parsing.tool_parser else None)
         self.calls: dict[int, dict] = {}
-        self._prefix = parsing.prefix
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
         """(reasoning, content, tool-call deltas) of the next piece of text; `final` at its end."""
@@ -80,7 +81,6 @@ class ChoiceParser:
         if final and self.reasoning:
             r, c = self.reasoning.finish()
             reasoning, content = reasoning + r, content + c
-        content, self._prefix = self._prefix + content, ""
         deltas: list[ToolCallDelta] = []
         if self.tools:
             content, deltas = self.tools.feed(content)

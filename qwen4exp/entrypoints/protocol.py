@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WrapValidator, model_validator
 
-from ..engine.request import MAX_BAD_WORDS, SamplingParams
+from ..engine.request import MAX_BAD_WORDS, SamplingParams, StructuredOutputsError, StructuredOutputsParams
 
 logger = logging.getLogger("qwen4exp")
 
@@ -193,6 +193,37 @@ class ChatMessage(BaseModel):
         return msg
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel.schema
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]  # structural_tag: refused
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+_NO_STRUCTURAL_TAG = "structural tags are not implemented; use a JSON schema, regex, choice or grammar"
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field (StructuredOutputsParams): exactly one constraint."""
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    # as in vLLM's xgrammar backend, no effect: a schema's objects already take no properties it does not name, and
+    # whitespace is JSON's (or none, with disable_any_whitespace)
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None  # refused
+
+
 _NO_MULTIMODAL = "the model reads text only"
 _NO_RENDER = "it applies to vLLM's /render endpoints, which this server does not have"
 # vLLM request fields that this server cannot honour, with the reason a value other than the default is refused
@@ -239,6 +270,8 @@ class _SamplingRequest(RequestModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     allowed_token_ids: list[int] | None = Field(None, description="Only these token ids may be sampled.")
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] = Field(
         default_factory=list, description="Words never generated (a multi-token word's last token is not sampled "
@@ -287,6 +320,39 @@ class _SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def structured_outputs_field(self) -> str:
+        """The request field the constraint comes from, for errors about it (response_format wins, as in vLLM)."""
+        rf = self.response_format
+        return "response_format" if rf is not None and rf.type != "text" else "structured_outputs"
+
+    def _structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint of `structured_outputs`, with `response_format`'s replacing the one of its kind (vLLM's
+        merge)."""
+        so = self.structured_outputs
+        if so is not None and so.structural_tag is not None:
+            raise RequestError(f"structured_outputs.structural_tag: not supported: {_NO_STRUCTURAL_TAG}",
+                               "structured_outputs.structural_tag")
+        kwargs = {} if so is None else {"json": so.json_schema, "regex": so.regex, "choice": so.choice,
+                                        "grammar": so.grammar, "json_object": so.json_object,
+                                        "disable_any_whitespace": so.disable_any_whitespace}
+        rf = self.response_format
+        if rf is not None and rf.type == "structural_tag":
+            raise RequestError(f"response_format: type structural_tag is not supported: {_NO_STRUCTURAL_TAG}",
+                               "response_format")
+        if rf is not None and rf.type == "json_object":
+            kwargs["json_object"] = True
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise RequestError("response_format: type json_schema needs json_schema.schema", "response_format")
+            kwargs["json"] = rf.json_schema.json_schema
+        if not kwargs:
+            return None
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except StructuredOutputsError as e:
+            raise RequestError(str(e), self.structured_outputs_field) from None
 
     @property
     def continuous_usage(self) -> bool:
@@ -358,6 +424,7 @@ class _SamplingRequest(RequestModel):
             logit_bias=bias or None,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
+            structured_outputs=self._structured_outputs_params(),
         )
 
 
@@ -419,6 +486,9 @@ _UNSUPPORTED_CHAT = {
     "audio": "audio output is not available: " + _NO_MULTIMODAL,
     "web_search_options": "web search is not available",
     "verbosity": "the model has no verbosity setting",
+    "reasoning_effort": "Qwen3 templates take no effort level; chat_template_kwargs {\"enable_thinking\": false} turns "
+                        "thinking off",
+    "thinking_token_budget": "reasoning is not cut at a budget; max_tokens bounds the whole answer",
 }
 
 
@@ -455,6 +525,8 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     verbosity: str | None = None
+    reasoning_effort: str | None = None
+    thinking_token_budget: int | None = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = _UNSUPPORTED_CHAT
 
@@ -478,6 +550,12 @@ class ChatCompletionRequest(_SamplingRequest):
                                                            for t in self.tools):
             raise RequestError(f"tool_choice: the function {choice.function.name!r} it names is not among `tools`",
                                "tool_choice")
+        so = self.structured_outputs
+        if isinstance(choice, NamedToolChoice) and so is not None and any(
+                v is not None for v in (so.json_schema, so.regex, so.choice)):
+            raise RequestError("structured_outputs: a json, regex or choice constraint cannot be used with a named "
+                               "tool_choice, which constrains the answer to the function's arguments",
+                               "structured_outputs")
 
     @property
     def named_function(self) -> str | None:

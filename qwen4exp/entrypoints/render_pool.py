@@ -110,13 +110,13 @@ class RenderPool:
 
     async def render_chat(self, conversation: list[dict], add_generation_prompt: bool, template: str | None,
                           kwargs: dict, max_chars: int, max_tokens: int, tools: list[dict] | None = None,
-                          suffix: str = "", add_special_tokens: bool = False,
-                          truncate: tuple[int, str] | None = None, with_text: bool = False):
-        """The chat template's token ids (or their count beyond `max_tokens`) for the conversation and `tools`,
-        `suffix` appended to the text, with that text as (ids, text) when `with_text`; a rendered text longer than
-        `max_chars` is a RenderError unless `truncate` (as `encode`) keeps only part of it."""
+                          add_special_tokens: bool = False, truncate: tuple[int, str] | None = None,
+                          with_text: bool = False):
+        """The chat template's token ids (or their count beyond `max_tokens`) for the conversation and `tools`, with
+        the rendered text as (ids, text) when `with_text`; a rendered text longer than `max_chars` is a RenderError
+        unless `truncate` (as `encode`) keeps only part of it."""
         return await self._run("render_chat", conversation, add_generation_prompt, template, kwargs, max_chars,
-                               max_tokens, tools, suffix, add_special_tokens, truncate, with_text)
+                               max_tokens, tools, add_special_tokens, truncate, with_text)
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run("decode", ids)

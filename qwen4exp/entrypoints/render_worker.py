@@ -81,15 +81,15 @@ def encode(tok, texts: list[str], add_special_tokens: bool, max_tokens: int,
 
 
 def render_chat(tok, conversation: list[dict], add_generation_prompt: bool, template: str | None, kwargs: dict,
-                max_chars: int, max_tokens: int, tools: list[dict] | None = None, suffix: str = "",
-                add_special_tokens: bool = False, truncate: tuple[int, str] | None = None, with_text: bool = False):
+                max_chars: int, max_tokens: int, tools: list[dict] | None = None, add_special_tokens: bool = False,
+                truncate: tuple[int, str] | None = None, with_text: bool = False):
     """The chat template's token ids (or their count beyond `max_tokens`, as `encode`) for the conversation and
-    `tools`, `suffix` appended to its text, and with `with_text` that text too, as (ids, text). The rendered text is
+    `tools`, and with `with_text` its text too, as (ids, text). The rendered text is
     tokenized as apply_chat_template(tokenize=True) does, unless it is longer than `max_chars`, which no
     `max_tokens` tokens can hold: then it is refused, or with `truncate` cut to the max_chars characters of the kept
     side first."""
     text = tok.apply_chat_template(conversation, tools=tools, chat_template=template,
-                                   add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs) + suffix
+                                   add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     if len(text) > max_chars and truncate is None:
         raise _TooLong(f"the chat template rendered {len(text)} characters, more than {max_chars} (the most that "
                        f"{max_tokens} tokens can hold)")

@@ -176,7 +176,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api
     max_model_len = max_model_len or engine.config.max_model_len
     pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
     args = (engine, pool, names, max_model_len, chat_template, trust_request_chat_template,
-            return_tokens_as_token_ids)
+            return_tokens_as_token_ids, renderer_timeout)
     completion, tokenization = ServingCompletion(*args), ServingTokenization(*args)
     chat = ServingChat(*args, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                        enable_auto_tool_choice=enable_auto_tool_choice,

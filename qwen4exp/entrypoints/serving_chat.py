@@ -4,8 +4,10 @@ parsed into reasoning, content and tool calls by the server's --reasoning-parser
 Tool calls are parsed as in vLLM: with tool_choice "auto" when the server runs with --enable-auto-tool-choice,
 and always with "required" or a named function. Those two need --tool-call-parser; "auto" without
 --enable-auto-tool-choice is refused unless a --tool-call-parser is set (then the calls stay in the content).
-Where vLLM constrains a "required" or named choice with a grammar, the prompt here ends with the start of a call
-(of that function), so the answer is one.
+"required" and a named function generate under a JSON schema built from the tools (tool_schema.py, in place of
+the request's structured_outputs and response_format, as vLLM): the answer is valid calls whose arguments follow
+the tools' parameter schemas (unless max_tokens cuts it), read from that JSON rather than by the tool-call parser.
+Such an answer has no reasoning: the grammar holds from its first token.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .serving_engine import (
     to_api_error,
 )
 from .tool_parsers import TOOL_PARSERS
+from .tool_schema import tool_call_constraint
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
@@ -56,6 +59,12 @@ class ServingChat(OpenAIServing):
         params = parse(_FIELDS, lambda: req.to_sampling_params(self.vocab_size, self.defaults))
         truncate = parse(_FIELDS, lambda: req.truncation(self.max_model_len))
         parsing = self._parsing(req)
+        if parsing is not None and parsing.forced:
+            params.structured_outputs = parse(_FIELDS, lambda: tool_call_constraint(
+                req.tools, req.tool_choice, req.parallel_tool_calls))
+            await self.compile_grammar(params, "tools")
+        else:
+            await self.compile_grammar(params, req.structured_outputs_field)
         if parsing is not None or (self.tool_parser is not None and req.tools and req.tool_choice != "none"):
             # the parsers read tags that some tokenizers mark special (vLLM's parsers keep them too)
             params.skip_special_tokens = False
@@ -65,12 +74,11 @@ class ServingChat(OpenAIServing):
         rendered = await self.render_chat(
             req.messages, req.generation_prompt, req.chat_template, req.chat_template_kwargs,
             tools=[t.for_template() for t in tools or []] or None,
-            suffix=parsing.prefix if parsing is not None else "",
             add_special_tokens=req.add_special_tokens, truncate=truncate, with_text=bool(req.return_prompt_text),
             continue_final_message=req.continue_final_message or None, documents=req.documents)
         prompt_ids, prompt_text = rendered if req.return_prompt_text else (rendered, None)
         if parsing is not None and parsing.reasoning is not None:
-            parsing.in_reasoning = (not parsing.prefix and parsing.reasoning.thinking(req.chat_template_kwargs)
+            parsing.in_reasoning = (parsing.reasoning.thinking(req.chat_template_kwargs)
                                     and parsing.reasoning.starts_in_reasoning(prompt_ids, self.reasoning_vocab))
         if params.max_tokens is None and "max_tokens" in self.defaults:
             # the generation config's max_new_tokens bounds what the context leaves (vLLM's get_max_tokens)
@@ -136,10 +144,10 @@ class ServingChat(OpenAIServing):
         if calls:
             parsing.tool_parser = self.tool_parser
             parsing.tools = [t.for_template() for t in req.tools]
-            parsing.forced, parsing.named = forced, named is not None
+            parsing.forced, parsing.named = forced, named
             parsing.max_calls = 1 if named is not None or req.parallel_tool_calls is False else None
-            if forced and req.generation_prompt:
-                parsing.prefix = self.tool_parser.forced_prefix(named)
+            if forced:  # the answer is the constraint's JSON from its first token
+                parsing.reasoning, parsing.in_reasoning = None, False
         return parsing
 
     async def _stream(self, req: ChatCompletionRequest, head: dict, stream: RequestStream, echo: str, as_ids: bool,

@@ -20,6 +20,7 @@ class ServingCompletion(OpenAIServing):
         self.check_model(req.model)
         prompts = parse(_FIELDS, req.prompts)
         params = parse(_FIELDS, lambda: req.to_sampling_params(self.vocab_size, self.defaults))
+        await self.compile_grammar(params, req.structured_outputs_field)
         truncate = parse(_FIELDS, lambda: req.truncation(self.max_model_len))
         for i, p in enumerate(prompts):
             if isinstance(p, str):

@@ -4,7 +4,9 @@ token ids in the render pool and requests into engine streams.
 
 Every client mistake is answered with a 4xx in the OpenAI error envelope {"error": {message, type, param, code}};
 only an engine failure is a 5xx. Prompts are bounded before they are tokenized: a text longer than max_model_len
-tokens can hold (the tokenizer's longest token, in characters, times max_model_len) is refused at once.
+tokens can hold (the tokenizer's longest token, in characters, times max_model_len) is refused at once. A
+structured-output request's grammar is compiled before the request reaches the engine, in a thread with a time
+limit, so an invalid or runaway schema, regex or grammar is a 400 and never holds up the engine thread.
 """
 
 from __future__ import annotations
@@ -13,14 +15,20 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.request import RequestOutput
+from ..engine.request import (
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsError,
+    bad_word_variants,
+    bad_words_token_ids,
+)
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from .openai_format import Formatter
-from ..engine.request import bad_word_variants, bad_words_token_ids
 from .protocol import ChatMessage, param_of
 from .render_pool import RenderError, RenderPool, RenderWorkerDied
 
@@ -29,6 +37,9 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                503: "ServiceUnavailableError"}
 # seconds a client should wait before it retries a 503 (a full queue drains in about that time)
 RETRY_AFTER_S = 1
+# grammar compilation: xgrammar's compiler releases the GIL, so these threads leave the event loop free. A thread
+# cannot be stopped: a compile past the time limit is answered with a 400 and finishes on its own
+_GRAMMAR_THREADS = ThreadPoolExecutor(2, thread_name_prefix="qwen4exp-grammar")
 
 
 class APIError(Exception):
@@ -151,8 +162,9 @@ def max_chars_per_token(tokenizer) -> int:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, pool: RenderPool | None, served_model_names: list[str],
                  max_model_len: int, chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 return_tokens_as_token_ids: bool = False):
+                 return_tokens_as_token_ids: bool = False, grammar_timeout_s: float = 30.0):
         self.engine, self.pool = engine, pool
+        self.grammar_timeout_s = grammar_timeout_s
         # every name is accepted as `model`; responses carry the first (as vLLM)
         self.served_model_names, self.max_model_len = list(served_model_names), max_model_len
         self.served_model_name = self.served_model_names[0]
@@ -247,11 +259,11 @@ class OpenAIServing:
         return value
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None,
-                          kwargs: dict | None, *, tools: list[dict] | None = None, suffix: str = "",
+                          kwargs: dict | None, *, tools: list[dict] | None = None,
                           add_special_tokens: bool = False, truncate: tuple[int, str] | None = None,
                           with_text: bool = False, **template_vars):
-        """The token ids of the conversation (and `tools`) as the chat template renders it, then `suffix` (with the
-        rendered text, as (ids, text), when `with_text`). `template_vars` (continue_final_message, documents) go to
+        """The token ids of the conversation (and `tools`) as the chat template renders it (with the rendered text,
+        as (ids, text), when `with_text`). `template_vars` (continue_final_message, documents) go to
         the template over the request's chat_template_kwargs."""
         template = self.template_for(template, kwargs)
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
@@ -260,7 +272,7 @@ class OpenAIServing:
         try:
             rendered = await self._pool("messages").render_chat(
                 conversation, add_generation_prompt, template, kwargs, self.max_prompt_chars, self.max_model_len,
-                tools, suffix, add_special_tokens, truncate, with_text)
+                tools, add_special_tokens, truncate, with_text)
         except RenderError as e:
             raise APIError(400, f"messages: the chat template could not be applied: {e}", "messages") from None
         ids = rendered[0] if with_text else rendered
@@ -268,8 +280,33 @@ class OpenAIServing:
             raise self.too_long(ids, "messages")
         return rendered
 
+    # ----- structured output -----
+    async def compile_grammar(self, params: SamplingParams, field: str) -> None:
+        """Compiles the grammar of a structured-output request (the engine then finds it compiled); an invalid one,
+        or one that takes longer than the time limit, is a 400 naming `field` (the request field the constraint
+        comes from: structured_outputs, response_format, or tools)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        work = asyncio.get_running_loop().run_in_executor(_GRAMMAR_THREADS, self.engine.structured_outputs.compile,
+                                                          constraint)
+        try:
+            await asyncio.wait_for(work, self.grammar_timeout_s)
+        except TimeoutError:
+            raise APIError(400, f"{field}: compiling its grammar took longer than the time limit of "
+                                f"{self.grammar_timeout_s:g} s", field) from None
+        except StructuredOutputsError as e:
+            if field != "structured_outputs":  # response_format's schema, or the tools' (a forced tool choice)
+                raise APIError(400, f"{field}: {e.reason}", field) from None
+            raise APIError(400, str(e), e.field) from None
+
     # ----- engine requests -----
     async def add_all(self, prompts: list, params, fields: set[str]) -> list[RequestStream]:
+        seats, limit = self.engine.config.max_num_seqs, self.engine.max_queued_requests
+        if limit is not None and len(prompts) > 1 and len(prompts) * params.n > seats + limit:
+            # like a too large n (the engine's check): retrying cannot help, so a client error, not an overload
+            raise APIError(400, f"prompt: {len(prompts)} prompts of {params.n} sequences each can never be admitted "
+                                f"together (max_num_seqs={seats}, max_queued_requests={limit})", "prompt")
         streams = []
         base_id = uuid.uuid4().hex
         try:

@@ -29,6 +29,9 @@ block that opens like a call but holds none (`<tool_call>` in prose, JSON that i
 whose arguments break off after its name was sent ends with the arguments sent (an empty object when none were).
 Whitespace next to a call is markup unless it separates content before the call from content after it (vLLM strips
 the content of a call's answer), so content that is only whitespace is none.
+
+ForcedCallParser reads the answer of a forced tool choice ("required" or a named function), which is generated
+under a JSON schema rather than in the model's tool-call format (see tool_schema.py).
 """
 
 from __future__ import annotations
@@ -104,12 +107,6 @@ class ToolParser:
         self._content_sent = False
         self._content: list[str] = []
         self._deltas: list[ToolCallDelta] = []
-
-    @staticmethod
-    def forced_prefix(name: str | None) -> str:
-        """The start of a call (of `name`, else of any function) that a prompt can end with so that the model's
-        answer is a call: tool_choice "required" or a named function."""
-        raise NotImplementedError
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._buf += text
@@ -368,11 +365,6 @@ class HermesToolParser(ToolParser):
     # the call's object up to its arguments, in the order the chat templates write it: the call is sent from here
     _HEADER = (("open", "{"), ("str", "name"), (":",), ("str", None), (",",), ("str", "arguments"), (":",))
 
-    @staticmethod
-    def forced_prefix(name: str | None) -> str:
-        prefix = '<tool_call>\n{"name": "'
-        return prefix + json.dumps(name, ensure_ascii=False)[1:-1] + '", "arguments": ' if name else prefix
-
     def _open_block(self, tag: str) -> None:
         self._json = _JsonTokens()
         # header: matching _HEADER; whole: another key order, decided when the object ends; args: streaming the
@@ -480,6 +472,95 @@ class HermesToolParser(ToolParser):
         self._phase = "close"
 
 
+# ----- forced calls: the JSON of tool_call_constraint's schema -----
+class ForcedCallParser:
+    """The answer to tool_choice "required" or a named function, generated under tool_call_constraint's JSON schema
+    (tool_schema.py) and read as vLLM reads it: for a named `function` the answer is its arguments object, for
+    "required" an array of {"name": ..., "parameters": ...}, one call each. It has no content. Fed like a ToolParser,
+    it sends a call once its arguments start (a named call with the answer's first value) and the arguments in
+    json.dumps's form as they arrive. A call cut off by max_tokens keeps the arguments sent; an array element cut
+    before its parameters started is no call; text that breaks the JSON (a grammar that ended its sequence with an
+    error) ends the reading."""
+
+    def __init__(self, function: str | None = None):
+        self.function = function
+        self._json = _JsonTokens()
+        self._broken = False
+        self._calls = 0
+        self._deltas: list[ToolCallDelta] = []
+        self._depth = 0  # containers open before the current token
+        # the "required" array's element being read: its member's key (None between members), name, parameters
+        self._key: str | None = None
+        self._text = ""  # the key, or the name, read so far
+        self._name: str | None = None
+        self._params: str | None = None  # the parameters' text while the name is still unknown
+        self._started = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._deltas = []
+        for ch in text:
+            if self._broken:
+                break
+            tokens: list = []
+            try:
+                self._json.push(ch, tokens)
+            except _JsonError:
+                self._broken = True
+            for t in tokens:
+                self._token(t)
+        return "", merge_deltas(self._deltas)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return "", []
+
+    def _token(self, t: tuple) -> None:
+        kind = t[0]
+        if self.function is not None:
+            if not self._calls:
+                self._start(self.function)
+            self._args(_json_text(t))
+            return
+        depth = self._depth
+        self._depth += 1 if kind == "open" else -1 if kind == "close" else 0
+        if depth == 1 and kind == "open":  # an element
+            self._key, self._text, self._name, self._params, self._started = None, "", None, None, False
+        if depth < 2:  # the array's brackets and commas
+            return
+        if self._key is None:  # between the element's members: a key, or the element's end
+            if kind == "str_start":
+                self._text = ""
+            elif kind == "str":
+                self._text += t[1]
+            elif kind == ":":
+                self._key, self._text = self._text, ""
+            elif kind == "close" and not self._started and self._name is not None and self._params is not None:
+                self._start(self._name)
+                self._args(self._params)
+            return
+        if self._key == "name" and kind == "str":
+            self._text += t[1]
+        elif self._key == "parameters":
+            if self._name is None:
+                self._params = (self._params or "") + _json_text(t)
+            else:
+                if not self._started:
+                    self._start(self._name)
+                self._args(_json_text(t))
+        if self._depth == 2 and kind in ("close", "str_end", "scalar"):  # the member's value is complete
+            if self._key == "name" and kind == "str_end":
+                self._name = self._text
+            self._key = None
+
+    def _start(self, name: str) -> None:
+        self._deltas.append(ToolCallDelta(self._calls, new_tool_call_id(), name))
+        self._calls += 1
+        self._started = True
+
+    def _args(self, text: str) -> None:
+        if text:
+            self._deltas.append(ToolCallDelta(self._calls - 1, arguments=text))
+
+
 # ----- qwen3_coder: XML parameters, typed by the tool's schema -----
 _TYPE_ALIASES = {"str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
                  "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
@@ -572,10 +653,6 @@ class Qwen3CoderToolParser(ToolParser):
     # what ends a parameter's value; all but </parameter> end it unclosed and are read on by the call
     _VALUE_ENDS = (END_PARAMETER, PARAMETER, END_FUNCTION, END_CALL, "<tool_call>", FUNCTION)
     _CALL_TAGS = (PARAMETER, END_FUNCTION, END_CALL, "<tool_call>", FUNCTION)
-
-    @staticmethod
-    def forced_prefix(name: str | None) -> str:
-        return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
 
     def _open_block(self, tag: str) -> None:
         # function: before <function=; name; params: between parameters; param: a parameter's name; value;
