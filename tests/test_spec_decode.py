@@ -491,12 +491,34 @@ def test_stats_line_reports_the_acceptance(tiny_dir, caplog):
 
 # ----- the GPU dispatch -----
 
+class EagerSpeculativeGraphs:
+    """The CUDA-graph runner's speculative steps (buffer filling, padding request, state token slots) executed
+    eagerly on the metadata a graph captures (CPU: no capture), recording the buckets replayed."""
+
+    def __new__(cls, llm, k: int, buckets: list[int], max_num_batched_tokens: int):
+        from qwen4exp.engine.cuda_graph import CUDAGraphRunner
+
+        class Runner(CUDAGraphRunner):
+            def _run(self, key):
+                self.replayed.append(key[1])
+                meta = self._mixed_meta(*key[1:])
+                hidden, streams = self.model(meta, self.cache, return_streams=True)
+                return self.model.compute_logits(hidden), streams
+
+        engine = llm.llm_engine
+        runner = Runner(engine.model, engine.runner.cache, engine.cache.page_size, engine.config.max_model_len,
+                        max(buckets), "cpu", buckets, max_num_batched_tokens, k)
+        runner.replayed = []
+        return runner
+
+
 @pytest.mark.slow
-def test_gpu_dispatch_verifies_as_the_reference(tmp_path, monkeypatch):
+def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkeypatch):
     """The ops' GPU paths (Triton kernels in the interpreter): decodes, verified requests and prefill chunks in one
     step (GDN's recurrent kernel storing the state after each verified row, the conv's token states before its
-    varlen kernels) give decoding's tokens and logprobs without speculation, with drafts half right. (QSA is dense
-    here: its batched selection may break ties between equal block scores otherwise than the reference.)"""
+    varlen kernels), eagerly and on the speculative CUDA graphs' buffers (steps of at most 6 tokens), give decoding's
+    tokens and logprobs without speculation, with drafts half right. (QSA is dense here: its batched selection may
+    break ties between equal block scores otherwise than the reference.)"""
     import qwen4exp.ops as ops
 
     tiny_dir = make_random(str(tmp_path / "dense"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 128})
@@ -511,6 +533,7 @@ def test_gpu_dispatch_verifies_as_the_reference(tmp_path, monkeypatch):
     engine = llm.llm_engine
     engine.spec.proposer = ScriptedProposer({rid: o.outputs[0].token_ids for rid, o in expected.items()},
                                             wrong_half)
+    graphs = engine.runner.graphs = EagerSpeculativeGraphs(llm, 2, [1, 2], 12)
     steps = []
     execute = engine.runner.execute
 
@@ -521,6 +544,7 @@ def test_gpu_dispatch_verifies_as_the_reference(tmp_path, monkeypatch):
     assert_same_outputs(serve(llm, requests), expected, requests)
     assert any({(1, False)} & set(s) and any(v for _, v in s) and any(n > 1 and not v for n, v in s) for s in steps), \
         "a step must hold a decode, a verified request and a prefill chunk"
+    assert set(graphs.replayed) == {3, 6} and len(graphs.replayed) < len(steps), "graphs and eager steps both"
     assert engine.cache.all_free()
 
 

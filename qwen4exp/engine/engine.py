@@ -111,14 +111,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None
         speculative = self.config.speculative_config is not None
-        if speculative and self.device.type == "cuda" and not self.config.enforce_eager:
-            logger.info("speculative decoding: steps run eagerly (no CUDA graphs)")
-        if self.device.type == "cuda" and not self.config.enforce_eager and not speculative:
+        if self.device.type == "cuda" and not self.config.enforce_eager:
             from .cuda_graph import CUDAGraphRunner
 
             graphs = CUDAGraphRunner(self.model, cache_tensors, self.config.page_size, self.config.max_model_len,
                                      self.config.max_num_seqs, self.device, self.config.cuda_graph_sizes,
-                                     self.config.max_num_batched_tokens)
+                                     self.config.max_num_batched_tokens, self.config.num_speculative_tokens)
             with _out_of_memory_as_error("capturing CUDA graphs", self.config):
                 graphs.capture()
         self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)

@@ -37,8 +37,10 @@ class ModelRunner:
         last row only.)
 
         return_streams (speculative decoding, which orders its chunks decodes first): also return every row's
-        multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), the step run eagerly."""
-        if not return_streams and self.graphs is not None and self.graphs.can_run(chunks, mixed=mixed_graphs):
+        multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), from the speculative graphs
+        (cuda_graph.py) or eagerly."""
+        if (self.graphs is not None and return_streams == bool(self.graphs.speculative)
+                and self.graphs.can_run(chunks, mixed=mixed_graphs)):
             return self.graphs.execute(chunks, pending_ids)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # decodes first
         ordered = [chunks[i] for i in order]
