@@ -70,9 +70,14 @@ class Scheduler:
             if req.num_pending and req.stops_by_length(self.config.max_model_len):
                 continue  # finishes once its pending token is read
             left = req.num_tokens_with_pending - req.num_computed_tokens
-            drafts = min(len(req.draft_token_ids), budget - 1) if left == 1 else 0
-            n = min(left + drafts, budget)
-            if not self._grow(req, self._needed(req, n, left), out):
+            if self.num_spec:
+                drafts = min(len(req.draft_token_ids), budget - 1) if left == 1 else 0
+                n = min(left + drafts, budget)
+                need = self._needed(req, n, left)
+            else:
+                drafts, n = 0, min(left, budget)
+                need = req.num_computed_tokens + n
+            if not self._grow(req, need, out):
                 continue
             out.scheduled.append(ScheduledRequest(req, n, drafts))
             budget -= n

@@ -205,9 +205,9 @@ class StepBuilder:
                 range(qsl[r] + c.logits_from, qsl[r + 1]) for r, c in enumerate(chunks)), dtype=np.int64)
 
         # verified requests: right after the decodes (the runner orders them so)
-        num_verify = next((r - num_decode for r in range(num_decode, R) if chunks[r].state_token_slots is None),
-                          R - num_decode)
-        token_slots = None
+        num_verify, token_slots = 0, None
+        while num_decode + num_verify < R and chunks[num_decode + num_verify].state_token_slots is not None:
+            num_verify += 1
         if num_verify:
             assert not any(c.state_token_slots is not None for c in chunks[num_decode + num_verify:]), \
                 "verified requests must follow the decodes"
