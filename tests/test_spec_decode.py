@@ -452,7 +452,7 @@ def test_spec_decode_metrics_as_vllm_exports_them(tiny_dir):
     assert outputs[-1].outputs[0].token_ids == [5] * 9
     assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 3, 6, 9]
     text = generate_latest(llm.llm_engine.metrics.registry).decode()
-    labels = 'engine="0",model_name="{}"'.format(tiny_dir)
+    labels = f'engine="0",model_name="{tiny_dir}"'
     # the target's token is always 5; drafts are wrong at outputs 2, 5, 8. Outputs 1-2: [5, x] (one kept, then 5),
     # 3-4: [5, 5] (both kept, then the bonus 5), 6-7: [5, 5] (both kept, and the bonus is the 9th token)
     for name, value in [("vllm:spec_decode_num_drafts_total", 3.0), ("vllm:spec_decode_num_draft_tokens_total", 6.0),
@@ -519,7 +519,7 @@ def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkey
     varlen kernels), eagerly and on the speculative CUDA graphs' buffers (steps of at most 6 tokens), give decoding's
     tokens and logprobs without speculation, with drafts half right. (QSA is dense here: its batched selection may
     break ties between equal block scores otherwise than the reference.)"""
-    import qwen4exp.ops as ops
+    from qwen4exp import ops
 
     tiny_dir = make_random(str(tmp_path / "dense"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 128})
     rng = random.Random(11)

@@ -47,8 +47,8 @@ import torch
 
 from ..config import EngineConfig
 from ..model import ModelCache
-from .request import Request
 from .rejection_sampler import RejectionSampler, VerifiedBatch
+from .request import Request
 from .sampler import SampledBatch, Sampler, SamplerOutput
 from .scheduler import SchedulerOutput
 from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
