@@ -3,9 +3,9 @@ when something does not fit, one error that says what to change.
 
 On a GPU the engine's share is gpu_memory_utilization x the device's memory. The weights come first (checked before
 any is allocated: `check_weights_fit`), then the state slots (one per sequence of max_num_seqs, 1 + k with k-token
-speculative decoding, plus the null slot),
-then as many KV cache pages as the rest of the share holds; activations and CUDA-graph pools live in what the share
-leaves of the device (1 - gpu_memory_utilization), and their peak is logged after the warm-up.
+speculative decoding, plus the null slot), then as many KV cache pages as the rest of the share holds; activations
+and CUDA-graph pools live in what the share leaves of the device (1 - gpu_memory_utilization), and their peak is
+logged after the warm-up.
 """
 
 from __future__ import annotations

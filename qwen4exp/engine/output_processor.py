@@ -74,8 +74,8 @@ class OutputProcessor:
         """Applies one step: `spans` are its chunks as (request, start, end, first logits position), `logits` its
         logits rows when prompt logprobs need them, `sampled` the requests that sampled a token and `samples` their
         ids (row i: sampled[i]; a request with several tokens in the step, speculative decoding, is listed once per
-        token, in order: a token that finishes it drops the ones after). Returns the outputs of the client requests it touched and the sequences that
-        finished in it."""
+        token, in order: a token that finishes it drops the ones after). Returns the outputs of the client requests
+        it touched and the sequences that finished in it."""
         if logits is not None:
             row = 0
             for req, start, end, first in spans:

@@ -38,7 +38,7 @@ class ModelRunner:
 
         return_streams (speculative decoding, which orders its chunks decodes first): also return every row's
         multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), from the speculative graphs
-        (cuda_graph.py) or eagerly."""
+        (cuda_graph.py; then a view of the graph's output, valid until the next step is launched) or eagerly."""
         if (self.graphs is not None and return_streams == bool(self.graphs.speculative)
                 and self.graphs.can_run(chunks, mixed=mixed_graphs)):
             return self.graphs.execute(chunks, pending_ids)

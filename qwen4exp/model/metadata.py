@@ -129,8 +129,8 @@ class StepMetadata:
 
     def prefill_chunk_indices(self, chunk: int) -> torch.Tensor:
         """[num_chunks, 2] int64 on the device: (prefill request, chunk within it) for every `chunk`-token piece of
-        the requests after the decodes and verified requests: fla's varlen chunk layout. Built on the host once per step: derived from
-        the device copy of query_start_loc, it costs a device sync in every GDN layer."""
+        the requests after the decodes and verified requests: fla's varlen chunk layout. Built on the host once per
+        step: derived from the device copy of query_start_loc, it costs a device sync in every GDN layer."""
         key = ("prefill_chunk_indices", chunk)
         if key not in self.derived:
             qsl = self.query_start_loc_cpu[self.num_decode_reqs + self.num_verify_reqs:]

@@ -304,7 +304,8 @@ def test_verified_rows_store_the_state_after_each_row(raw):
     gen = torch.Generator().manual_seed(9)
     T = qsl[-1]
     q, k = torch.randn(T, hk, dk, generator=gen), torch.randn(T, hk, dk, generator=gen)
-    v, b, a = torch.randn(T, hv, dv, generator=gen), torch.randn(T, hv, generator=gen), torch.randn(T, hv, generator=gen)
+    v = torch.randn(T, hv, dv, generator=gen)
+    b, a = torch.randn(T, hv, generator=gen), torch.randn(T, hv, generator=gen)
     state[2] = float("nan")
     beta, g = gdn_gates(b, a, A_log, dt_bias)
     ref_state = state.clone()
