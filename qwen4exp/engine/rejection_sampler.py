@@ -113,14 +113,15 @@ class RejectionSampler:
             picked = logits if rows is None else logits[index]
             p = torch.softmax(_filter(picked.float(), [views[i] for i in sampled]), dim=-1)
             d, has = (safe_draft, has_draft) if rows is None else (safe_draft[index], has_draft[index])
-            q = torch.zeros_like(p)
-            q[has, d[has]] = 1.0  # greedy drafts: one-hot draft distributions; none on the last rows
             u, e = self._random(requests, drafts, starts, sampled, p.shape)
-            p_draft, q_draft = p.gather(1, d[:, None])[:, 0], q.gather(1, d[:, None])[:, 0]
-            accepted = has & (u < acceptance_probability(p_draft, q_draft.clamp_min(1e-30)))
-            # rejected: from normalized max(0, p - q); the last row (q = 0): the bonus token, from p. The exponential
-            # race argmax(w / E), E ~ Exp(1), samples from w normalized.
-            emitted = ((p - q).clamp_min(0) / e).argmax(-1)
+            # greedy drafts: q is one-hot at the draft, so q(d) = 1 and max(0, p - q) is p without d; the last row
+            # has no draft (q = 0): the bonus token, from p
+            p_draft = p.gather(1, d[:, None])[:, 0]
+            accepted = has & (u < acceptance_probability(p_draft, torch.ones_like(p_draft)))
+            at_draft = has.nonzero()[:, 0]
+            p[at_draft, d[at_draft]] = 0.0
+            # the exponential race argmax(w / E), E ~ Exp(1), samples from w normalized
+            emitted = p.div_(e).argmax(-1)
             if rows is None:
                 accept, tokens = accepted, emitted
             else:

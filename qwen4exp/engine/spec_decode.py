@@ -132,8 +132,9 @@ class MTPProposer:
 @dataclass
 class SpecStep:
     """A launched step with speculation: its spans (request, start, end, first logits position) for the output
-    processor, the logits rows kept for prompt logprobs, the requests that sample with their drafts and first
-    rows, the verification on the device and the multi-stream states."""
+    processor, the logits rows kept for prompt logprobs, the requests verified (or sampling without drafts) with
+    their drafts, the verification on the device, the multi-stream states, and the requests sampled under a
+    grammar."""
 
     spans: list[tuple[Request, int, int, int]]
     logits: torch.Tensor | None
