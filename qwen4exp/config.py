@@ -627,6 +627,10 @@ class EngineConfig:
         None, "quantize the projections and experts of a checkpoint stored in bf16 on load; fp8 is block-scaled e4m3 "
               "(one scale per 128 x 128 weight block, activations quantized per token and 128 columns). An fp8 "
               "checkpoint loads as fp8 without it", QUANT_METHODS)
+    speculative_config: dict | None = _option(
+        None, "speculative decoding as vLLM's JSON object, '{\"method\": \"mtp\", \"num_speculative_tokens\": k}': "
+              "the checkpoint's multi-token-prediction layer drafts k tokens (1 to 4) after each sampled one and one "
+              "step of the model verifies them; outputs are distributed as without it", parse=json_object_arg)
 
     def __post_init__(self) -> None:
         # the Python API also takes torch.dtype / torch.device objects; the config keeps their names
@@ -656,6 +660,7 @@ class EngineConfig:
         if sizes is not None and (not sizes or not all(_positive_int(n) for n in sizes)):
             raise ConfigError("cuda_graph_sizes", f"must be a non-empty list of positive integers, got {sizes!r}")
         _check_generation_source(self.generation_config, self.override_generation_config)
+        object.__setattr__(self, "speculative_config", _check_speculative_config(self.speculative_config))
         if self.device is not None:
             import torch
 
@@ -663,6 +668,11 @@ class EngineConfig:
                 torch.device(self.device)
             except RuntimeError:
                 raise ConfigError("device", f"expected cuda, cuda:N or cpu, got {self.device!r}") from None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per step (0: no speculative decoding)."""
+        return self.speculative_config["num_speculative_tokens"] if self.speculative_config else 0
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -690,6 +700,33 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+SPECULATIVE_METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 4
+
+
+def _check_speculative_config(value: dict | None) -> dict | None:
+    """EngineConfig.speculative_config checked (errors name the key) and complete: method and
+    num_speculative_tokens."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError("speculative_config", f"must be a JSON object such as {{\"method\": \"mtp\", "
+                                                f"\"num_speculative_tokens\": 1}}, got {value!r}")
+    unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ConfigError("speculative_config", f"unsupported keys {unknown} (supported: method, "
+                                                f"num_speculative_tokens)")
+    method = value.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError("speculative_config.method",
+                          f"must be 'mtp' (drafts from the checkpoint's multi-token-prediction layer), got {method!r}")
+    k = value.get("num_speculative_tokens")
+    if not _positive_int(k) or k > MAX_SPECULATIVE_TOKENS:
+        raise ConfigError("speculative_config.num_speculative_tokens",
+                          f"must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    return {"method": method, "num_speculative_tokens": k}
 
 
 def _positive_int(value) -> bool:

@@ -2,9 +2,10 @@
 when something does not fit, one error that says what to change.
 
 On a GPU the engine's share is gpu_memory_utilization x the device's memory. The weights come first (checked before
-any is allocated: `check_weights_fit`), then the state slots (one per sequence of max_num_seqs, plus the null slot),
-then as many KV cache pages as the rest of the share holds; activations and CUDA-graph pools live in what the share
-leaves of the device (1 - gpu_memory_utilization), and their peak is logged after the warm-up.
+any is allocated: `check_weights_fit`), then the state slots (one per sequence of max_num_seqs, 1 + k with k-token
+speculative decoding, plus the null slot), then as many KV cache pages as the rest of the share holds; activations
+and CUDA-graph pools live in what the share leaves of the device (1 - gpu_memory_utilization), and their peak is
+logged after the warm-up.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ class MemoryPlan:
     page_size: int
     page_bytes: int
     slot_bytes: int
-    num_slots: int  # max_num_seqs + the null slot
+    num_slots: int  # slots_per_sequence x max_num_seqs + the null slot
     max_model_len: int
     max_num_seqs: int
+    slots_per_sequence: int = 1  # 1 + k with k-token speculative decoding (a state after each draft)
     num_pages: int = 0  # decided by `plan_cache` (page 0 is the null page)
     weights: dict[str, int] = field(default_factory=dict)  # bytes on the device by dtype
     tables: tuple[int, str] | None = None  # (bytes, where) of the n-gram tables
@@ -107,8 +109,9 @@ class MemoryPlan:
             rows.append(f"  weights            {_gib(total):>10}  ({parts})")
         if self.tables is not None:
             rows.append(f"  n-gram tables      {_gib(self.tables[0]):>10}  ({self.tables[1]})")
+        per = f", {self.slots_per_sequence} per sequence" if self.slots_per_sequence > 1 else ""
         rows.append(f"  state slots        {_gib(self.num_slots * self.slot_bytes):>10}  ({self.num_slots} slots of "
-                    f"{self.slot_bytes / 2**20:.1f} MiB: GDN recurrent + conv, PLE conv)")
+                    f"{self.slot_bytes / 2**20:.1f} MiB: GDN recurrent + conv, PLE conv{per})")
         rows.append(f"  KV cache pages     {_gib(self.num_pages * self.page_bytes):>10}  ({usable} pages of "
                     f"{self.page_size} tokens = {usable * self.page_size} tokens)")
         if self.reserve is not None:
@@ -140,13 +143,14 @@ def plan_cache(plan: MemoryPlan, num_pages: int | None = None, hints: tuple[str,
     if pages_left:
         fixes.append(f"--max-model-len {pages_left * plan.page_size}")
     one_sequence = (plan.pages_per_sequence + 1) * plan.page_bytes
-    seqs = (plan.budget - one_sequence) // plan.slot_bytes - 1
+    seqs = (plan.budget - one_sequence - plan.slot_bytes) // (plan.slot_bytes * plan.slots_per_sequence)
     if 0 < seqs < plan.max_num_seqs:
         fixes.append(f"--max-num-seqs {seqs}")
     fixes += hints
+    per = "one" if plan.slots_per_sequence == 1 else f"{plan.slots_per_sequence} (speculative decoding)"
     raise InsufficientMemoryError(
         f"the cache does not hold one sequence of max_model_len={plan.max_model_len}: the {_gib(plan.budget)} left for "
-        f"it on {plan.device} take {plan.num_slots} state slots ({_gib(slots)}, one per --max-num-seqs + 1) and "
+        f"it on {plan.device} take {plan.num_slots} state slots ({_gib(slots)}, {per} per --max-num-seqs + 1) and "
         f"{pages_left} pages of {plan.page_size} tokens, and one sequence needs {plan.pages_per_sequence} pages; "
         + ("try " + ", or ".join(fixes) if fixes else "raise the memory budget"))
 

@@ -344,6 +344,26 @@ def test_bench_latency_and_throughput_write_vllms_keys(tiny_dir, tmp_path, capsy
     assert (printed, decoder.raw_decode(out[end:].lstrip())[0]) == (latency, throughput)  # printed as well
 
 
+def test_bench_reports_the_acceptance_of_speculative_decoding(tiny_dir, tmp_path):
+    """With --speculative-config, latency and throughput results carry vLLM's spec_decode keys; without, none."""
+    engine = ["--model", tiny_dir, "--device", "cpu", "--max-model-len", "64", "--input-len", "5", "--output-len", "6",
+              "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    main(["bench", "latency", *engine, "--num-iters", "1", "--output-json", str(tmp_path / "latency.json")])
+    main(["bench", "throughput", *engine, "--num-prompts", "2", "--output-json", str(tmp_path / "throughput.json")])
+    for name, requests in (("latency", 1), ("throughput", 2)):
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        # each request drafts after its first token, twice per step while 2 drafts fit before the 6th token
+        assert result["spec_decode_num_drafts"] >= requests * 2
+        drafts, tokens = result["spec_decode_num_drafts"], result["spec_decode_draft_tokens"]
+        accepted = result["spec_decode_accepted_tokens"]
+        assert drafts <= tokens <= 2 * drafts and 0 <= accepted <= tokens
+        assert result["spec_decode_acceptance_rate"] == pytest.approx(100 * accepted / tokens)
+        assert result["spec_decode_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+        assert len(result["spec_decode_per_position_acceptance_rates"]) == 2
+    main(["bench", "latency", *engine[:-2], "--num-iters", "1", "--output-json", str(tmp_path / "plain.json")])
+    assert not any(k.startswith("spec_decode") for k in json.loads((tmp_path / "plain.json").read_text()))
+
+
 def failing_server():
     """An OpenAI completions endpoint whose requests, in arrival order, cycle through: a stream of 3 tokens with
     its usage, an HTTP 503, an error event in the stream, a connection closed mid-stream."""

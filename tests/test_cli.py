@@ -27,6 +27,7 @@ NON_DEFAULT_FLAGS = [
     "1000", "--num-pages", "9", "--enforce-eager", "--no-async-scheduling", "--cuda-graph-sizes", "1", "2", "--seed",
     "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8", "--quantization", "fp8", "--generation-config",
     "vllm", "--override-generation-config", '{"temperature": 0.5}',
+    "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
 ]
 
 
@@ -62,7 +63,8 @@ def test_engine_flags_reach_the_config(command):
         dtype="half", device="cpu", load_format="dummy", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=77,
         page_size=8, gpu_memory_utilization=0.5, cpu_cache_bytes=1000, num_pages=9, enforce_eager=True,
         async_scheduling=False, cuda_graph_sizes=[1, 2], seed=5, ple_table_device="cpu", ple_table_dtype="fp8",
-        quantization="fp8", generation_config="vllm", override_generation_config={"temperature": 0.5})
+        quantization="fp8", generation_config="vllm", override_generation_config={"temperature": 0.5},
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert all(getattr(config, f.name) != f.default for f in fields(EngineConfig))
 
 
@@ -122,7 +124,11 @@ def test_bad_flag_values_name_the_field_before_a_model_is_built(tmp_path, monkey
                         (["serve", "--override-generation-config", "[1]"], "--override-generation-config"),
                         (["serve", "--override-generation-config", '{"temprature": 1}'],
                          "override_generation_config"),
-                        (["generate", "--generation-config", str(tmp_path / "none")], "generation_config")]:
+                        (["generate", "--generation-config", str(tmp_path / "none")], "generation_config"),
+                        (["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+                         "speculative_config.method"),
+                        (["generate", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'],
+                         "speculative_config.num_speculative_tokens")]:
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

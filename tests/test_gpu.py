@@ -252,3 +252,40 @@ def test_gpu_structured_output_with_graphs_and_deferred_sampling(tmp_path):
     cpu = masked(StructuredOutputs(tok, hf.config.vocab_size, 4, "cpu", engine.eos_token_ids), "cpu")
     assert torch.equal(gpu, cpu) and torch.isinf(gpu[[0, 2, 3]]).any()
     assert torch.equal(gpu[[1, 4]], logits[[1, 4]])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_gpu_speculative_decoding_equals_decoding_without_it(k, tmp_path):
+    """Speculative decoding on the GPU (its CUDA graphs, the recurrent kernels storing each verified row's state, the
+    draft layer eager): greedy tokens and logprobs equal decoding's without speculation on the GPU (whose paths the
+    tests above hold to the reference), with the draft layer's drafts and with drafts half right; the step graphs
+    replay. (QSA dense: its batched selection breaks ties between equal block scores by the batch's layout.)"""
+    import random
+
+    from test_spec_decode import ScriptedProposer, assert_same_outputs, serve, wrong_half
+
+    from qwen4exp import LLM
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    d = make_random(str(tmp_path / "tiny"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 256})
+    rng = random.Random(4)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 60))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 30), ignore_eos=True, logprobs=1))
+                for i in range(12)]
+    engine = dict(dtype="float32", max_model_len=256, page_size=8, num_pages=200, max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    expected = serve(LLM(d, device="cuda", **engine), requests)
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    for drafts in ("mtp", "half right"):
+        llm = LLM(d, device="cuda", speculative_config=spec, **engine)
+        graphs = llm.llm_engine.runner.graphs
+        assert graphs is not None and graphs.speculative == k
+        replayed = []
+        run = graphs._run
+        graphs._run = lambda key: replayed.append(key) or run(key)
+        if drafts != "mtp":
+            llm.llm_engine.spec.proposer = ScriptedProposer(
+                {rid: o.outputs[0].token_ids for rid, o in expected.items()}, wrong_half)
+        assert_same_outputs(serve(llm, requests), expected, requests)
+        assert replayed, "decode and verify steps must replay the speculative graphs"
+        assert llm.llm_engine.cache.all_free()

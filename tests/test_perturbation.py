@@ -129,7 +129,8 @@ COMPONENT_FAULTS = {
                            lambda orig: lambda x, w, st, q, sl, hi, *a: orig(x, w, st, q, sl, [False] * len(hi), *a)),
     "GDN state dropped between chunks": (
         "gated_delta", "gated_delta_rule_ref",
-        lambda orig: lambda q, k, v, g, b, st, qsl, sl, hi: orig(q, k, v, g, b, st, qsl, sl, [False] * len(hi))),
+        lambda orig: lambda q, k, v, g, b, st, qsl, sl, hi, *a: orig(q, k, v, g, b, st, qsl, sl, [False] * len(hi),
+                                                                        *a)),
     "GDN decay halved": ("gated_delta", "gated_delta_rule_ref",
                          lambda orig: lambda q, k, v, g, *a: orig(q, k, v, g * 0.5, *a)),
     "rope dims shifted": ("rotary", "apply_rope", lambda orig: lambda x, c, s: orig(x, c.roll(1, -1), s)),

@@ -30,13 +30,28 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def spec_decode_stats(before, after) -> dict:
+    """vLLM's `bench serve` speculative decoding keys between two `EngineMetrics.spec_decode_totals`: acceptance
+    rate (percent of the draft tokens accepted), acceptance length (1 + accepted per draft), drafts, draft and
+    accepted tokens, and the acceptance rate of each draft position."""
+    drafts, tokens, accepted = (a - b for a, b in zip(after[:3], before[:3]))
+    per_pos = [a - b for a, b in zip(after[3], before[3])]
+    return {"spec_decode_acceptance_rate": 100.0 * accepted / tokens if tokens else 0.0,
+            "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_num_drafts": drafts, "spec_decode_draft_tokens": tokens,
+            "spec_decode_accepted_tokens": accepted,
+            "spec_decode_per_position_acceptance_rates": [n / drafts if drafts else 0.0 for n in per_pos]}
+
+
 def run_requests(engine, prompts: list[list[int]], output_len: int, structured_fraction: float = 0.0) -> dict:
     """Submit all prompts at once, step to completion, time every token (ignore_eos, fixed output length).
-    `structured_fraction` of the requests, spread evenly, generate under BENCH_GRAMMAR."""
+    `structured_fraction` of the requests, spread evenly, generate under BENCH_GRAMMAR. With speculative decoding,
+    its acceptance (spec_decode_stats)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     constrained = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False,
                                  structured_outputs=StructuredOutputsParams(grammar=BENCH_GRAMMAR))
     timings: dict[str, RequestTiming] = {}
+    spec_before = engine.metrics.spec_decode_totals()
     _sync(engine)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -53,7 +68,10 @@ def run_requests(engine, prompts: list[list[int]], output_len: int, structured_f
             timings[out.request_id].token_times += [now] * (n - seen[out.request_id])
             seen[out.request_id] = n
     elapsed = time.perf_counter() - t0
-    return summarize(list(timings.values()), elapsed)
+    result = summarize(list(timings.values()), elapsed)
+    if spec_before is not None:
+        result |= spec_decode_stats(spec_before, engine.metrics.spec_decode_totals())
+    return result
 
 
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)

@@ -86,16 +86,19 @@ def resolve_page_size(model_config: ModelConfig, page_size: int | None) -> int:
 
 def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, device,
                           model: torch.nn.Module | None = None) -> tuple[CacheAllocator, ModelCache, int]:
-    """The cache tensors, as many pages as the memory budget holds (or `num_pages`) and max_num_seqs + 1 slots,
-    with their allocator and the max_model_len they serve (engine_config's, else the model's max_position_embeddings
-    where the pages hold that many tokens, else as many as they hold); logs the memory plan (`qwen4exp.memory`,
-    with the weights of `model` when given)."""
+    """The cache tensors, as many pages as the memory budget holds (or `num_pages`) and max_num_seqs + 1 slots
+    (with k-token speculative decoding (1 + k) x max_num_seqs + 1, and pages that hold the MTP draft layers' caches
+    too), with their allocator and the max_model_len they serve (engine_config's, else the model's
+    max_position_embeddings where the pages hold that many tokens, else as many as they hold); logs the memory plan
+    (`qwen4exp.memory`, with the weights of `model` when given)."""
     c, e = model_config, engine_config
     device = torch.device(device)
     page_size = resolve_page_size(c, e.page_size)
-    plan = MemoryPlan(str(device), e.cpu_cache_bytes, page_size, max(page_bytes(c, page_size, dtype), 1),
-                      max(slot_bytes(c, dtype), 1), e.max_num_seqs + 1, e.max_model_len or c.max_position_embeddings,
-                      e.max_num_seqs)
+    mtp = e.speculative_config is not None
+    per_seq = 1 + e.num_speculative_tokens
+    plan = MemoryPlan(str(device), e.cpu_cache_bytes, page_size, max(page_bytes(c, page_size, dtype, mtp), 1),
+                      max(slot_bytes(c, dtype), 1), per_seq * e.max_num_seqs + 1,
+                      e.max_model_len or c.max_position_embeddings, e.max_num_seqs, per_seq)
     hints = []
     if device.type == "cuda":
         memory = DeviceMemory.measure(device, e.gpu_memory_utilization)
@@ -117,7 +120,7 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
             hints.append("--quantization fp8")
     plan_cache(plan, e.num_pages, tuple(hints), fit_max_model_len=e.max_model_len is None)
     allocator = CacheAllocator(plan.num_pages, plan.num_slots, page_size)
-    tensors = allocate_cache(c, plan.num_pages, page_size, plan.num_slots, dtype, device)
+    tensors = allocate_cache(c, plan.num_pages, page_size, plan.num_slots, dtype, device, mtp)
     logger.info(
         "KV cache: %d pages = %d tokens, %d state slots", allocator.pages.num_usable,
         allocator.pages.num_usable * page_size, allocator.slots.num_usable,

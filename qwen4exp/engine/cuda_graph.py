@@ -11,6 +11,11 @@ per-request layout from the device buffers (GDN runs its recurrent kernel over e
 qualifies when it fits the largest bucket and wants at most its requests' last rows' logits; larger steps, and
 steps that want more rows (prompt logprobs, speculative verification), stay eager.
 Every op on these paths is a fast path without host syncs (see ops/).
+
+Speculative decoding (`speculative`, k drafts): every step returns its multi-stream states for the draft layer, so
+the runner captures mixed-layout graphs only, over token counts (1 + k) x the batch-size buckets (up to the step
+budget), each returning the logits of every row and the states; a step of decodes, verified requests (their state
+token slots in one more buffer, -1 elsewhere) and small prefill chunks replays the smallest that holds its tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model, cache: ModelCache, page_size: int, max_model_len: int, max_num_seqs: int, device,
-                 buckets: list[int] | None = None, max_num_batched_tokens: int = 0):
+                 buckets: list[int] | None = None, max_num_batched_tokens: int = 0, speculative: int = 0):
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
@@ -78,7 +83,11 @@ class CUDAGraphRunner:
         self.pool = None
         self.table_width = 0  # block_tables columns at and past this are zero in every row
 
+        self.speculative = speculative
         self.mixed_sizes = [t for t in MIXED_GRAPH_TOKENS if t <= max_num_batched_tokens]
+        if speculative:
+            self.mixed_sizes = sorted({(1 + speculative) * b for b in self.buckets
+                                       if (1 + speculative) * b <= max_num_batched_tokens})
         R = self.mixed_reqs = B + 1  # the step's requests, empty rows, and the padding request last
         T = self.mixed_sizes[-1] if self.mixed_sizes else 0
         nb = T // C + R  # a chunk of n tokens completes at most n // C + 1 QSA blocks
@@ -96,6 +105,8 @@ class CUDAGraphRunner:
             new_block_token_slots=torch.zeros(nb, C, **z), new_block_slots=torch.zeros(nb, **z),
             new_block_positions=torch.zeros(nb, **z),
         )
+        if speculative:
+            self.mbuf["state_token_slots"] = torch.full((T,), -1, **z)
         self.mixed_arange = torch.arange(T, **z)
         self.mixed_table_width = 0
 
@@ -123,10 +134,14 @@ class CUDAGraphRunner:
             new_block_positions=b["new_block_positions"][:nb], token_req=b["token_req"][:T],
             token_pos=b["positions"][:T], token_local=b["token_local"][:T], has_initial=b["has_initial"],
             num_reqs=R, num_tokens=T, num_decode_reqs=0, max_seq_len=max_seq_len, in_cuda_graph=True,
+            state_token_slots=b["state_token_slots"][:T] if self.speculative else None,
         )
 
     def _capture_one(self, key: tuple, meta: StepMetadata, rows: torch.Tensor | None) -> None:
         def run():
+            if self.speculative:  # every row's logits and the multi-stream states
+                hidden, streams = self.model(meta, self.cache, return_streams=True)
+                return self.model.compute_logits(hidden), streams
             hidden = self.model(meta, self.cache)
             return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
@@ -149,7 +164,8 @@ class CUDAGraphRunner:
             self._fill_mixed_padding(T, 0)
             meta = self._mixed_meta(T, max_len)
             self._capture_one(("mixed", T, max_len), meta, meta.logits_indices)
-        for n, max_len in [(n, v) for n in sorted(self.buckets, reverse=True) for v in self.variants]:
+        for n, max_len in [(n, v) for n in sorted(self.buckets, reverse=True) for v in self.variants
+                           if not self.speculative]:
             self._capture_one((n, max_len), self._meta(n, max_len), None)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (decode batch sizes %s, mixed-step token counts %s, context bounds %s) "
@@ -169,16 +185,26 @@ class CUDAGraphRunner:
 
     def can_run(self, chunks: list[RequestChunk], mixed: bool = True) -> bool:
         """Whether a graph takes the step: decodes only, or (`mixed`) a step that fits the largest mixed bucket and
-        wants at most each request's last logits row."""
+        wants at most each request's last logits row. With speculation: a step that fits the largest bucket, and
+        (without `mixed`) holds no prefill chunk."""
         if not 0 < len(chunks) <= self.max_batch:
             return False
+        if self.speculative:
+            return (bool(self.mixed_sizes) and sum(len(c.token_ids) for c in chunks) <= self.mixed_sizes[-1]
+                    and (mixed or all(len(c.token_ids) == 1 or c.state_token_slots is not None for c in chunks)))
         if all(len(c.token_ids) == 1 for c in chunks):
             return True
         return (mixed and bool(self.mixed_sizes) and sum(len(c.token_ids) for c in chunks) <= self.mixed_sizes[-1]
                 and all(c.logits_from >= len(c.token_ids) - 1 for c in chunks))
 
     @torch.inference_mode()
-    def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None) -> torch.Tensor | tuple:
+        """The step's wanted logits rows (ModelRunner.execute); with speculation also every row's multi-stream
+        states, in the order of the chunks."""
+        if self.speculative:
+            key, wanted = self.prepare_mixed(chunks, pending_ids)
+            logits, streams = self._run(key)
+            return logits[host_to_device(wanted, logits.device)], streams[: sum(len(c.token_ids) for c in chunks)]
         if all(len(c.token_ids) == 1 for c in chunks):
             return self._execute_decode(self.builder.build(chunks), pending_ids)
         key, wanted = self.prepare_mixed(chunks, pending_ids)
@@ -216,7 +242,8 @@ class CUDAGraphRunner:
 
     def prepare_mixed(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None):
         """Fills the mixed buffers for a step (see can_run); returns the key of the graph to replay and the rows of its
-        logits (one per request row) that the step wants, in chunk order."""
+        logits that the step wants, in chunk order (one per request row; with speculation, every row's logits are
+        computed and these are the rows from each chunk's logits_from)."""
         layout = self.builder.build(chunks)
         n, R, total = layout.num_reqs, self.mixed_reqs, layout.num_tokens
         T = next(t for t in self.mixed_sizes if t >= total)
@@ -238,9 +265,13 @@ class CUDAGraphRunner:
         for name in ("new_block_token_slots", "new_block_slots", "new_block_positions"):
             put(b[name], getattr(layout, name), pad_blocks)
         self.mixed_table_width = self._put_tables(b["block_tables"], layout, R, self.mixed_table_width)
+        if self.speculative:
+            token_slots = layout.state_token_slots
+            put(b["state_token_slots"], token_slots if token_slots is not None else np.full(total, -1, np.int64),
+                T - total, -1)
         self._fill_mixed_padding(T, total)
         fill_pending(b["input_ids"], layout.pending, pending_ids)
-        wanted = layout.token_req[layout.logits_indices]
+        wanted = layout.logits_indices if self.speculative else layout.token_req[layout.logits_indices]
         return ("mixed", T, self._variant(layout)), wanted
 
     def _execute_decode(self, layout: StepLayout, pending_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """LLMEngine: add requests, then `step()` until done. One step = schedule -> launch (run the model, sample) ->
 complete (read the samples; output_processor.py turns them into RequestOutputs), with at most one step in flight.
-Structured output (grammar masks on the sampled rows) lives in structured_output.py."""
+Structured output (grammar masks on the sampled rows) lives in structured_output.py, speculative decoding (launch
+verifies drafts, complete drafts the next ones) in spec_decode.py."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from .request import (
 from .runner import ModelRunner
 from .sampler import SampledBatch, Sampler, reads_history
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import SpecDecoder, SpecStep
 from .step_builder import RequestChunk, to_device
 from .structured_output import StructuredOutputs
 from .warmup import warm_up
@@ -98,7 +100,8 @@ class LLMEngine:
                                 ple_table_device=self.config.ple_table_device,
                                 ple_table_dtype=self.config.ple_table_dtype,
                                 gpu_memory_utilization=self.config.gpu_memory_utilization,
-                                quantization=self.config.quantization)
+                                quantization=self.config.quantization,
+                                mtp=self.config.speculative_config is not None)
         # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's); the
         # page size follows the model unless given
         self.config = dataclasses.replace(self.config, page_size=resolve_page_size(mc, self.config.page_size))
@@ -107,16 +110,19 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.scheduler = Scheduler(self.config, self.cache)
         graphs = None
+        speculative = self.config.speculative_config is not None
         if self.device.type == "cuda" and not self.config.enforce_eager:
             from .cuda_graph import CUDAGraphRunner
 
             graphs = CUDAGraphRunner(self.model, cache_tensors, self.config.page_size, self.config.max_model_len,
                                      self.config.max_num_seqs, self.device, self.config.cuda_graph_sizes,
-                                     self.config.max_num_batched_tokens)
+                                     self.config.max_num_batched_tokens, self.config.num_speculative_tokens)
             with _out_of_memory_as_error("capturing CUDA graphs", self.config):
                 graphs.capture()
         self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)
+        self.spec = (SpecDecoder(self.config, self.model, cache_tensors, self.config.page_size, self.device,
+                                 self.sampler) if speculative else None)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
         # the sampling defaults of requests that leave them unset (vLLM's get_diff_sampling_param)
         self.generation_defaults = generation_defaults(model, self.config.generation_config,
@@ -151,7 +157,7 @@ class LLMEngine:
         cache_info = {"block_size": str(c.page_size), "cache_dtype": "auto", "enable_prefix_caching": "False",
                       "gpu_memory_utilization": str(c.gpu_memory_utilization),
                       "num_gpu_blocks": str(self.cache.pages.num_usable)}
-        return EngineMetrics(self.served_model_name, c.max_model_len, cache_info)
+        return EngineMetrics(self.served_model_name, c.max_model_len, cache_info, c.num_speculative_tokens)
 
     # ----- requests -----
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
@@ -255,7 +261,7 @@ class LLMEngine:
         else:
             done = launched
         outs = self._complete(done) if done is not None else []
-        if launched is not None and launched.to_sample is not None:
+        if isinstance(launched, _Launched) and launched.to_sample is not None:
             # the grammar masks needed the ids just read: the model already runs while they were read and accepted
             reqs = launched.sample_reqs
             launched.sampled = self._sample(launched.to_sample, reqs,
@@ -269,14 +275,17 @@ class LLMEngine:
 
     def _overlap(self) -> bool:
         """Asynchronous scheduling, unless a request's sampling reads its previous ids (penalties, min_tokens), which
-        the host has not read yet while a step is in flight."""
-        if not self.async_scheduling:
+        the host has not read yet while a step is in flight, or speculative decoding is on (a step's tokens are the
+        drafts the previous one accepted)."""
+        if not self.async_scheduling or self.spec is not None:
             return False
         return not any(reads_history(r.params) for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
 
-    def _launch(self, sched: SchedulerOutput, mixed_graphs: bool = True) -> "_Launched":
+    def _launch(self, sched: SchedulerOutput, mixed_graphs: bool = True) -> "_Launched | SpecStep":
         """Builds the chunks, runs the model and the sampler without waiting for them (the sampler waits where a
         grammar mask needs an id still in flight, see `step`); advances the requests."""
+        if self.spec is not None:
+            return self.spec.launch(self, sched, mixed_graphs)
         n_ctx = self.model_config.ngram_size - 1
         prev = self._inflight
         chunks, spans = [], []
@@ -342,9 +351,11 @@ class LLMEngine:
                 return max(start, pending)
         return end - 1 if samples else end
 
-    def _complete(self, step: "_Launched") -> list[RequestOutput]:
+    def _complete(self, step: "_Launched | SpecStep") -> list[RequestOutput]:
         """Reads a launched step's samples (waiting for the device), hands them to the output processor and frees
         the sequences that finished; returns the outputs."""
+        if isinstance(step, SpecStep):
+            return self.spec.complete(self, step)
         samples = step.sampled.to_host() if step.sampled is not None else None
         for req in step.sample_reqs:
             req.num_pending -= 1

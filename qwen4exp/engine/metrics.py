@@ -13,6 +13,11 @@ inference = last token - first scheduled, e2e = finish - arrival.
 
 There is no prefix cache, so `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` exist and stay 0.
 
+With speculative decoding, vLLM's `vllm:spec_decode_*` counters: verified requests with drafts (num_drafts), their
+drafts (num_draft_tokens), the accepted ones (num_accepted_tokens) and those by draft position
+(num_accepted_tokens_per_pos, label `position`). Acceptance rate = accepted / draft tokens; mean acceptance length =
+1 + accepted / drafts.
+
 `StatsLogger` is vLLM's periodic "Avg prompt throughput: ..." line, read from these metrics.
 """
 
@@ -54,7 +59,10 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
 class EngineMetrics:
     """The metric families in `registry`, each bound to this engine's labels."""
 
-    def __init__(self, model_name: str, max_model_len: int, cache_config_info: dict[str, str] | None = None):
+    def __init__(self, model_name: str, max_model_len: int, cache_config_info: dict[str, str] | None = None,
+                 num_speculative_tokens: int = 0):
+        """num_speculative_tokens: with speculative decoding, vLLM's spec_decode counters (one per-position series
+        per draft position)."""
         self.model_name = model_name
         self.labels = {"model_name": model_name, "engine": "0"}
         self.registry = r = CollectorRegistry()
@@ -120,6 +128,16 @@ class EngineMetrics:
         self.request_num_preemptions = histogram(
             "vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
             REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.spec_decode = None
+        if num_speculative_tokens:
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                              names + ["position"], registry=r)
+            self.spec_decode = dict(
+                num_drafts=counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                num_draft_tokens=counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                num_accepted_tokens=counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                per_pos=[per_pos.labels(*values, str(i)) for i in range(num_speculative_tokens)],
+            )
         if cache_config_info is not None:
             # an info metric as vLLM writes it: a gauge at 1, labelled with the cache config (and no model_name)
             info = {**cache_config_info, "engine": "0"}
@@ -133,6 +151,15 @@ class EngineMetrics:
         if generation_tokens:
             self.generation_tokens.inc(generation_tokens)
         self.iteration_tokens.observe(prompt_tokens + generation_tokens)
+
+    def record_spec_decode(self, stats) -> None:
+        """One step's speculative decoding counters (spec_decode.SpecDecodeStats)."""
+        m = self.spec_decode
+        m["num_drafts"].inc(stats.num_drafts)
+        m["num_draft_tokens"].inc(stats.num_draft_tokens)
+        m["num_accepted_tokens"].inc(stats.num_accepted_tokens)
+        for counter, n in zip(m["per_pos"], stats.num_accepted_tokens_per_pos):
+            counter.inc(n)
 
     def record_finished(self, req, now: float) -> None:
         """A sequence that finished (stop or length) at `now`; its timestamps are set (it has a token)."""
@@ -155,6 +182,14 @@ class EngineMetrics:
         self.request_params_n.observe(n)
         self.request_max_num_generation_tokens.observe(max_generation_tokens)
 
+    def spec_decode_totals(self) -> tuple[int, int, int, list[int]] | None:
+        """(drafts, draft tokens, accepted tokens, accepted tokens per position) so far; None without speculation."""
+        m = self.spec_decode
+        if m is None:
+            return None
+        return (int(m["num_drafts"]._value.get()), int(m["num_draft_tokens"]._value.get()),
+                int(m["num_accepted_tokens"]._value.get()), [int(c._value.get()) for c in m["per_pos"]])
+
     def total(self, name: str) -> float:
         """A sample's value, e.g. total("vllm:generation_tokens_total")."""
         return self.registry.get_sample_value(name, self.labels) or 0.0
@@ -164,7 +199,8 @@ class StatsLogger:
     """vLLM's periodic stats line: every `interval` seconds, the prompt and generation throughput since the last
     line, the running and waiting requests, preemptions (when there were some) and the cache usage; at DEBUG level
     while the engine stays idle. vLLM adds the prefix cache hit rate once a prefix cache was queried, which never
-    happens here. Called from the engine thread (AsyncEngine's loop), which owns `engine`."""
+    happens here. With speculative decoding, vLLM's "SpecDecoding metrics" line follows where the interval verified
+    drafts. Called from the engine thread (AsyncEngine's loop), which owns `engine`."""
 
     def __init__(self, engine, interval: float = 10.0):
         self.engine, self.interval = engine, interval
@@ -173,6 +209,7 @@ class StatsLogger:
         self._last_metrics = None
         self._last_totals = (0.0, 0.0, 0.0)
         self._last_throughput = (0.0, 0.0)
+        self._last_spec = None
 
     def maybe_log(self, now: float) -> None:
         if now - self._last_time >= self.interval:
@@ -183,7 +220,7 @@ class StatsLogger:
         totals = (metrics.total("vllm:prompt_tokens_total"), metrics.total("vllm:generation_tokens_total"),
                   metrics.total("vllm:num_preemptions_total"))
         if metrics is not self._last_metrics:  # reset (warm-up, a new served name): count from zero
-            self._last_metrics, self._last_totals = metrics, (0.0, 0.0, 0.0)
+            self._last_metrics, self._last_totals, self._last_spec = metrics, (0.0, 0.0, 0.0), None
         elapsed = max(now - self._last_time, 1e-9)
         prompt, generation, preemptions = (t - last for t, last in zip(totals, self._last_totals))
         throughput = (prompt / elapsed, generation / elapsed)
@@ -199,3 +236,15 @@ class StatsLogger:
         parts.append("%s KV cache usage: %.1f%%")
         args += [self.cache_device, self.engine.cache.usage * 100]
         (logger.debug if idle else logger.info)(", ".join(parts), *args)
+        spec = metrics.spec_decode_totals()
+        if spec is not None:
+            last = self._last_spec or (0, 0, 0, [0] * len(spec[3]))
+            self._last_spec = spec
+            drafts, drafted, accepted = (a - b for a, b in zip(spec[:3], last[:3]))
+            if drafts:
+                rates = ", ".join(f"{(a - b) / drafts:.3f}" for a, b in zip(spec[3], last[3]))
+                logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+                            "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                            "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                            1 + accepted / drafts, accepted / elapsed, drafted / elapsed, accepted, drafted, rates,
+                            100 * accepted / drafted)

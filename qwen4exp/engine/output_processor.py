@@ -73,8 +73,9 @@ class OutputProcessor:
                 sampled: list[Request], samples: SamplerOutput | None) -> tuple[list[RequestOutput], list[Request]]:
         """Applies one step: `spans` are its chunks as (request, start, end, first logits position), `logits` its
         logits rows when prompt logprobs need them, `sampled` the requests that sampled a token and `samples` their
-        ids (row i: sampled[i]). Returns the outputs of the client requests it touched and the sequences that
-        finished in it."""
+        ids (row i: sampled[i]; a request with several tokens in the step, speculative decoding, is listed once per
+        token, in order: a token that finishes it drops the ones after). Returns the outputs of the client requests
+        it touched and the sequences that finished in it."""
         if logits is not None:
             row = 0
             for req, start, end, first in spans:
@@ -128,7 +129,7 @@ class OutputProcessor:
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival_time)
-        else:
+        elif req.last_token_time != now:  # tokens of one step (speculative decoding) are one interval, as in vLLM
             self.metrics.itl.observe(now - req.last_token_time)
         req.last_token_time = now
         req.cumulative_logprob += out.logprobs[i]

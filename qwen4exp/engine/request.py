@@ -246,6 +246,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)
     state_slot: int | None = None
+    # speculative decoding: the tokens the draft layer proposes after the last token, and the request's other state
+    # slots, which receive the states after each verified row (one of them becomes state_slot when drafts are
+    # rejected)
+    draft_token_ids: list[int] = field(default_factory=list)
+    spare_slots: list[int] = field(default_factory=list)
     # the xgrammar GrammarMatcher of a structured-output request: it has accepted every id in output_token_ids
     grammar: Any = None
     max_tokens: int = 16  # resolved against max_model_len at admission

@@ -26,7 +26,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None,
-                mixed_graphs: bool = True) -> torch.Tensor:
+                mixed_graphs: bool = True, return_streams: bool = False) -> torch.Tensor | tuple:
         """Runs one step; returns the logits (fp32) of the wanted rows, in the order of `chunks`. `pending_ids`:
         the previous step's sampled ids on the device, for chunks with a `pending_row`. `mixed_graphs=False` runs
         steps with prefill chunks eagerly even where a mixed-step graph would take them.
@@ -34,14 +34,23 @@ class ModelRunner:
         After a CUDA-graph decode step the logits are a view of the graph's output, valid until the next step is
         launched: work reading them must be queued before (the sampler's is) or take a copy. (The engine keeps
         logits past a step only for prompt logprobs, whose steps never run as graphs: graphs want each request's
-        last row only.)"""
-        if self.graphs is not None and self.graphs.can_run(chunks, mixed=mixed_graphs):
+        last row only.)
+
+        return_streams (speculative decoding, which orders its chunks decodes first): also return every row's
+        multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), from the speculative graphs
+        (cuda_graph.py; then a view of the graph's output, valid until the next step is launched) or eagerly."""
+        if (self.graphs is not None and return_streams == bool(self.graphs.speculative)
+                and self.graphs.can_run(chunks, mixed=mixed_graphs)):
             return self.graphs.execute(chunks, pending_ids)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # decodes first
         ordered = [chunks[i] for i in order]
         layout = self.builder.build(ordered)
         meta = layout.to_metadata(self.device)
         fill_pending(meta.input_ids, layout.pending, pending_ids)
+        if return_streams:
+            assert order == sorted(order), "the caller orders the chunks decodes first"
+            hidden, streams = self.model(meta, self.cache, return_streams=True)
+            return self.model.compute_logits(hidden[meta.logits_indices]), streams
         hidden = self.model(meta, self.cache)
         logits = self.model.compute_logits(hidden[meta.logits_indices])
         if order == sorted(order):

@@ -32,6 +32,9 @@ class RequestChunk:
     # async scheduling: the row of the previous step's sampled ids (still on the device) that holds this chunk's
     # last token, whose entry in token_ids is then a placeholder; -1 when token_ids is complete
     pending_row: int = -1
+    # speculative verification (token_ids: the last sampled token, then drafts): the slots that receive the
+    # recurrent states after rows 0 .. len(token_ids)-2 (model/metadata.py); None for any other chunk
+    state_token_slots: list[int] | None = None
 
 
 def to_device(values, device, dtype=None) -> torch.Tensor:
@@ -80,6 +83,10 @@ class StepLayout:
     new_block_positions: np.ndarray  # [NB] position of the block's first token
     logits_indices: np.ndarray  # [L] token rows whose logits are wanted, in request order
     pending: list[tuple[int, int]]  # (token row, row of the previous step's sampled ids) for async-scheduled tokens
+    # speculative verification: requests num_decode_reqs .. + num_verify_reqs - 1 are verified ones, and
+    # state_token_slots [T] the slot of each row's state (-1: none); None without them
+    num_verify_reqs: int = 0
+    state_token_slots: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -123,6 +130,9 @@ class StepLayout:
             query_start_loc_cpu=self.query_start_loc,
             context_lens_cpu=self.context_lens,
             state_slots_cpu=self.state_slots,
+            num_verify_reqs=self.num_verify_reqs,
+            state_token_slots=None if self.state_token_slots is None else dev(self.state_token_slots),
+            state_token_slots_cpu=None if self.state_token_slots is None else self.state_token_slots.tolist(),
         )
 
 
@@ -194,6 +204,19 @@ class StepBuilder:
             logits = np.fromiter(itertools.chain.from_iterable(
                 range(qsl[r] + c.logits_from, qsl[r + 1]) for r, c in enumerate(chunks)), dtype=np.int64)
 
+        # verified requests: right after the decodes (the runner orders them so)
+        num_verify, token_slots = 0, None
+        while num_decode + num_verify < R and chunks[num_decode + num_verify].state_token_slots is not None:
+            num_verify += 1
+        if num_verify:
+            assert not any(c.state_token_slots is not None for c in chunks[num_decode + num_verify:]), \
+                "verified requests must follow the decodes"
+            token_slots = np.full(T, -1, dtype=np.int64)
+            for r in range(num_decode, num_decode + num_verify):
+                ts = chunks[r].state_token_slots
+                assert len(ts) == lengths[r] - 1
+                token_slots[qsl[r]: qsl[r] + len(ts)] = ts
+
         return StepLayout(
             query_start_loc=qsl,
             context_lens=ctx,
@@ -213,4 +236,6 @@ class StepBuilder:
             new_block_positions=block_positions,
             logits_indices=logits,
             pending=[(qsl[r + 1] - 1, c.pending_row) for r, c in enumerate(chunks) if c.pending_row >= 0],
+            num_verify_reqs=num_verify,
+            state_token_slots=token_slots,
         )

@@ -4,6 +4,12 @@ Built once per step from the scheduled chunks (engine/step_builder.py); layers r
 the scheduler.
 Request r owns token rows query_start_loc[r] : query_start_loc[r+1]; its first new token sits at logical position
 context_lens[r] (the number of its tokens already in the caches).
+
+Speculative verification: a verified request brings its last sampled token and the drafts after it. Its recurrent
+states (GDN conv and recurrent state, PLE conv window) are stored after every row, each into its own slot
+(`state_token_slots`), so the engine can continue from the state after the last accepted row; the state after its
+last row goes to its state slot, as for every request. Its attention caches need nothing: rows of rejected drafts
+are rewritten when their positions are computed again.
 """
 
 from dataclasses import dataclass, field
@@ -101,10 +107,17 @@ class StepMetadata:
     in_cuda_graph: bool = False
     # Per-step values an op derives once and reuses in every layer (see prefill_chunk_indices).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+    # Speculative verification (see the module docstring): the next num_verify_reqs requests after the decodes are
+    # verified ones, which the recurrent ops run token by token; state_token_slots [T] int64 is the slot each row's
+    # state is also stored into (-1: none). None (and 0) in steps without verification.
+    num_verify_reqs: int = 0
+    state_token_slots: torch.Tensor | None = None
+    state_token_slots_cpu: list[int] | None = None
 
     def __repr__(self) -> str:
         return (f"StepMetadata(num_reqs={self.num_reqs}, num_tokens={self.num_tokens}, "
-                f"num_decode_reqs={self.num_decode_reqs}, max_seq_len={self.max_seq_len}, "
+                f"num_decode_reqs={self.num_decode_reqs}, num_verify_reqs={self.num_verify_reqs}, "
+                f"max_seq_len={self.max_seq_len}, "
                 f"in_cuda_graph={self.in_cuda_graph})")
 
     @property
@@ -116,11 +129,11 @@ class StepMetadata:
 
     def prefill_chunk_indices(self, chunk: int) -> torch.Tensor:
         """[num_chunks, 2] int64 on the device: (prefill request, chunk within it) for every `chunk`-token piece of
-        the requests after the decodes: fla's varlen chunk layout. Built on the host once per step: derived from
-        the device copy of query_start_loc, it costs a device sync in every GDN layer."""
+        the requests after the decodes and verified requests: fla's varlen chunk layout. Built on the host once per
+        step: derived from the device copy of query_start_loc, it costs a device sync in every GDN layer."""
         key = ("prefill_chunk_indices", chunk)
         if key not in self.derived:
-            qsl = self.query_start_loc_cpu[self.num_decode_reqs:]
+            qsl = self.query_start_loc_cpu[self.num_decode_reqs + self.num_verify_reqs:]
             rows = [(r, c) for r in range(len(qsl) - 1) for c in range(-(-(qsl[r + 1] - qsl[r]) // chunk))]
             host = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
             self.derived[key] = host.to(self.query_start_loc.device, non_blocking=True)

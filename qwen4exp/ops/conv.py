@@ -18,12 +18,14 @@ def causal_conv1d_ref(
     has_initial_state: list[bool],
     dilation: int = 1,
     activation: str | None = "silu",
+    token_slots: list[int] | None = None,
 ) -> torch.Tensor:
     """x: [T, C] new inputs of all requests; weight: [C, K]; conv_state: [S, C, L], L = (K-1)*dilation.
 
     Request r owns rows query_start_loc[r]:query_start_loc[r+1] and state row state_slots[r], which holds its last L
     inputs (zeros for a new request, whatever the slot held before). Returns act(conv) [T, C] and writes each
-    request's new last-L inputs back into its slot.
+    request's new last-L inputs back into its slot. token_slots [T] (speculative verification): where
+    token_slots[t] >= 0, the state after row t (the last L inputs up to it) is also written into that slot.
     """
     out = torch.empty_like(x)
     state_len = conv_state.shape[-1]
@@ -38,6 +40,10 @@ def causal_conv1d_ref(
         if activation == "silu":
             y = F.silu(y)
         out[start:end] = y.t().to(x.dtype)
+        if token_slots is not None:
+            for t in range(start, end):
+                if token_slots[t] >= 0:
+                    conv_state[token_slots[t]] = window[:, t - start + 1: t - start + 1 + state_len]
         conv_state[slot] = window[:, -state_len:]
     return out
 
@@ -45,14 +51,21 @@ def causal_conv1d_ref(
 def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: str | None = "silu",
                   split: tuple[int, int, int] | None = None):
     """Step-level dispatch. GPU: a step of one-token requests takes the fused update kernel (graph capturable),
-    any other step the varlen kernel over the whole flat batch. CPU: the reference.
+    any other step the varlen kernel over the whole flat batch, after the states of verified rows
+    (`meta.state_token_slots`) are stored. CPU: the reference.
 
     split: return the output's three channel parts of these widths (GDN's q, k, v), which the varlen kernel writes
     as contiguous tensors."""
     if not (HAS_TRITON and fast_path(x)):
         out = causal_conv1d_ref(x, weight, conv_state, meta.query_start_loc_cpu, meta.state_slots_cpu,
-                                meta.has_initial_state, dilation, activation)
+                                meta.has_initial_state, dilation, activation, meta.state_token_slots_cpu)
         return out if split is None else out.split(list(split), -1)
+    if meta.state_token_slots is not None:  # before the varlen kernel overwrites the states they start from
+        # verified requests follow the decodes: rows past theirs store nothing (a CUDA graph covers every row)
+        rows = (meta.num_tokens if meta.in_cuda_graph
+                else meta.query_start_loc_cpu[meta.num_decode_reqs + meta.num_verify_reqs])
+        conv_triton.store_token_states(x[:rows], conv_state, meta.state_token_slots, meta.token_req,
+                                       meta.token_local, meta.state_slots, meta.has_initial)
     if meta.num_decode_reqs == meta.num_reqs:
         out = conv_triton.causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation,
                                                activation)

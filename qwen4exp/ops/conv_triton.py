@@ -138,6 +138,72 @@ def causal_conv1d_update(
     return out
 
 
+# ----- speculative verification: the state after every verified row, into its own slot -----
+
+@triton.jit
+def _token_states_kernel(
+    x_ptr, state_ptr, token_slots_ptr, token_req_ptr, token_local_ptr, slots_ptr, has_init_ptr,
+    C,
+    stride_xt, stride_xc, stride_ss, stride_sc, stride_sl,
+    LST: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_start(PDL)
+    t = tl.program_id(1).to(tl.int64)
+    offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    offs_p = tl.arange(0, LP)
+    out_slot = tl.load(token_slots_ptr + t)
+    r = tl.load(token_req_ptr + t)
+    j = tl.load(token_local_ptr + t)  # the row's index among its request's rows
+    slot = tl.load(slots_ptr + r)
+    init = tl.load(has_init_ptr + r).to(tl.int32)
+    zero = tl.zeros([BC, LP], dtype=tl.int32)
+    # scalar conditions as full-shape masks (the interpreter rejects scalar & tile)
+    store = ((zero + out_slot) >= 0) & (offs_c < C)[:, None] & (offs_p < LST)[None, :]
+    # state position p after row t is position j + 1 + p of [old state (LST), the request's inputs]
+    pos = j + 1 + offs_p
+    in_state = pos < LST
+    old = tl.load(state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
+                  + tl.minimum(pos, LST - 1)[None, :] * stride_sl,
+                  mask=store & in_state[None, :] & ((zero + init) != 0), other=0.0)
+    row = t + 1 + offs_p - LST  # the input row at position pos, where pos >= LST
+    xv = tl.load(x_ptr + tl.maximum(row, 0)[None, :] * stride_xt + offs_c[:, None] * stride_xc,
+                 mask=store & ~in_state[None, :], other=0.0)
+    new = tl.where(in_state[None, :], old, xv.to(state_ptr.dtype.element_ty))
+    tl.store(state_ptr + tl.maximum(out_slot, 0) * stride_ss + offs_c[:, None] * stride_sc
+             + offs_p[None, :] * stride_sl, new, mask=store)
+
+
+def store_token_states(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    token_slots: torch.Tensor,
+    token_req: torch.Tensor,
+    token_local: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    block_c: int = 64,
+) -> None:
+    """For every row t of x [T, C] with token_slots[t] >= 0: writes into conv_state[token_slots[t]] the state after
+    row t, the last L inputs up to it (`ops.conv.causal_conv1d_ref`'s token_slots), from the state its request
+    starts from (conv_state[state_slots[token_req[t]]], zeros without an initial state) and the request's rows up to
+    t (token_local[t] is t's index among them). Must run before the step's update of the slots it reads; the slots
+    it writes are none of those."""
+    total, channels = x.shape
+    state_len = conv_state.shape[-1]
+    assert conv_state.shape[1] == channels and token_slots.shape[0] >= total
+    if total == 0:
+        return
+    lp = triton.next_power_of_2(state_len)
+    bc = min(block_c, triton.next_power_of_2(channels))
+    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    _token_states_kernel[(triton.cdiv(channels, bc), total)](
+        x, conv_state, token_slots, token_req, token_local, state_slots, has_init,
+        channels,
+        x.stride(0), x.stride(1), *conv_state.stride(),
+        LST=state_len, LP=lp, BC=bc, num_warps=2, **launch_options(x)
+    )
+
+
 # ----- prefill: any number of requests of any length in one flat batch -----
 
 @triton.jit

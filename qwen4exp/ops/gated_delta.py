@@ -42,9 +42,9 @@ def _prepare(q, k, v, g, beta):
     return q, _l2norm(k), v, g.t().float(), beta.t().float()
 
 
-def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state):
+def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state, states_after: list | None = None):
     """One sequence token by token. q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; state: [Hv, Dk, Dv] fp32.
-    Returns (out [n, Hv, Dv] fp32, final state)."""
+    Returns (out [n, Hv, Dv] fp32, final state); `states_after`, when given, receives the state after each token."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     out = torch.empty_like(v)
     for t in range(v.shape[1]):
@@ -53,6 +53,8 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state):
         delta = (v[:, t] - predicted) * beta[:, t, None]
         state = state + k[:, t, :, None] * delta[:, None, :]
         out[:, t] = (state * q[:, t, :, None]).sum(-2)
+        if states_after is not None:
+            states_after.append(state)
     return out.transpose(0, 1), state
 
 
@@ -100,17 +102,28 @@ def gated_delta_rule_ref(
     query_start_loc: list[int],
     state_slots: list[int],
     has_initial_state: list[bool],
+    token_slots: list[int] | None = None,
 ) -> torch.Tensor:
     """Flat batch: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; ssm_state [S, Hv, Dk, Dv] fp32.
-    Returns out [T, Hv, Dv] in v's dtype and writes each request's final state into its slot."""
+    Returns out [T, Hv, Dv] in v's dtype and writes each request's final state into its slot. token_slots [T]
+    (speculative verification): where token_slots[t] >= 0, the state after row t is also written into that slot
+    (such requests run token by token, as decoding does)."""
     out = torch.empty_like(v)
     for r, slot in enumerate(state_slots):
         s, e = query_start_loc[r], query_start_loc[r + 1]
         if e == s:
             continue
         init = ssm_state[slot] if has_initial_state[r] else ssm_state.new_zeros(ssm_state.shape[1:])
-        fn = recurrent_gated_delta_rule_ref if e - s == 1 else chunk_gated_delta_rule_ref
-        o, final = fn(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init.float())
+        stored = token_slots is not None and any(t >= 0 for t in token_slots[s:e])
+        if stored:
+            after = []
+            o, final = recurrent_gated_delta_rule_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init.float(), after)
+            for t, state in zip(token_slots[s:e], after):
+                if t >= 0:
+                    ssm_state[t] = state
+        else:
+            fn = recurrent_gated_delta_rule_ref if e - s == 1 else chunk_gated_delta_rule_ref
+            o, final = fn(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init.float())
         out[s:e] = o.to(out.dtype)
         ssm_state[slot] = final
     return out
@@ -140,38 +153,51 @@ def fla_chunk():
 
 def gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, ssm_state, meta) -> torch.Tensor:
     """gated_delta_rule from the gate projections b, a [T, Hv] (beta, g = gdn_gates(b, a, A_log, dt_bias)).
-    GPU, a step of one-token requests or a step in a CUDA graph: the recurrent kernel computes the gates itself, so
-    the step runs no gate kernels; in a graph it runs each request's tokens one by one (any mix of lengths, read
-    from the device copy of query_start_loc). Any other step, and the CPU, computes the gates first and takes
-    gated_delta_rule."""
+    GPU, a step of one-token and verified requests or a step in a CUDA graph: the recurrent kernel computes the gates
+    itself, so the step runs no gate kernels; with verified requests or in a graph it runs each request's tokens one
+    by one (any mix of lengths, read from the device copy of query_start_loc). Any other step, and the CPU, computes
+    the gates first and takes gated_delta_rule."""
     all_decode = meta.num_decode_reqs == meta.num_reqs
-    if HAS_TRITON and fast_path(v) and (all_decode or meta.in_cuda_graph):
+    recurrent = meta.num_decode_reqs + meta.num_verify_reqs == meta.num_reqs  # no prefill chunk
+    if HAS_TRITON and fast_path(v) and (recurrent or meta.in_cuda_graph):
         return gated_delta_triton.fused_recurrent_gated_delta_rule_raw(
             q, k, v, b, a, A_log, dt_bias, ssm_state, meta.state_slots, meta.has_initial,
-            query_start_loc=None if all_decode else meta.query_start_loc)
+            query_start_loc=None if all_decode else meta.query_start_loc, token_slots=meta.state_token_slots)
     beta, g = gdn_gates(b, a, A_log, dt_bias)
     return gated_delta_rule(q, k, v, g, beta, ssm_state, meta)
 
 
 def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
-    """Step-level dispatch. GPU: one-token requests take the fused recurrent kernel (in place on the slots);
-    prefill chunks take fla's varlen chunk kernel when installed. CPU: the reference."""
+    """Step-level dispatch. GPU: one-token requests take the fused recurrent kernel (in place on the slots), and so
+    do verified requests (token by token, storing the state after each row); prefill chunks take fla's varlen chunk
+    kernel when installed. CPU: the reference."""
     qsl = meta.query_start_loc_cpu
     if not (HAS_TRITON and fast_path(v)):
-        return gated_delta_rule_ref(q, k, v, g, beta, ssm_state, qsl, meta.state_slots_cpu, meta.has_initial_state)
-    fused_recurrent_gated_delta_rule = gated_delta_triton.fused_recurrent_gated_delta_rule
-    d, r = meta.num_decode_reqs, meta.num_reqs
+        return gated_delta_rule_ref(q, k, v, g, beta, ssm_state, qsl, meta.state_slots_cpu, meta.has_initial_state,
+                                    meta.state_token_slots_cpu)
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, slots, has_initial):
+        if not meta.num_verify_reqs:
+            return gated_delta_triton.fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, slots, has_initial)
+        n = slots.shape[0]  # the leading requests: decodes and verified requests
+        return gated_delta_triton.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, ssm_state, slots, has_initial, query_start_loc=meta.query_start_loc[: n + 1],
+            token_slots=meta.state_token_slots)
+
+    d, r = meta.num_decode_reqs + meta.num_verify_reqs, meta.num_reqs
     if d == r:
         return fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, meta.state_slots, meta.has_initial)
     # fla's chunk kernels use TF32 dots on fp32 inputs (~1e-3 relative error): fp32 callers get the exact reference
     chunk = fla_chunk() if v.dtype != torch.float32 else None
+    rows = qsl[d]  # the rows of the decodes and verified requests
     if chunk is None:
-        prefill = gated_delta_rule_ref(q[d:], k[d:], v[d:], g[d:], beta[d:], ssm_state, [x - d for x in qsl[d:]],
-                                       meta.state_slots_cpu[d:], meta.has_initial_state[d:])
+        prefill = gated_delta_rule_ref(q[rows:], k[rows:], v[rows:], g[rows:], beta[rows:], ssm_state,
+                                       [x - rows for x in qsl[d:]], meta.state_slots_cpu[d:],
+                                       meta.has_initial_state[d:])
         if d == 0:
             return prefill
         out = torch.empty_like(v)
-        out[d:] = prefill
+        out[rows:] = prefill
     else:
         # fla runs on the whole step's tensors with sequences starting at the first prefill row, so its output
         # holds every row and only the decode rows are filled in afterwards (copying the prefill rows into a fresh
@@ -185,6 +211,6 @@ def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
         ssm_state[slots] = final.float()
         out = o[0].to(v.dtype)
     if d:
-        out[:d] = fused_recurrent_gated_delta_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], ssm_state,
-                                                   meta.state_slots[:d], meta.has_initial[:d])
+        out[:rows] = fused_recurrent_gated_delta_rule(q[:rows], k[:rows], v[:rows], g[:rows], beta[:rows], ssm_state,
+                                                      meta.state_slots[:d], meta.has_initial[:d])
     return out

@@ -179,3 +179,49 @@ def test_varlen_split_output_equals_split_of_the_full_output(split, block_c):
     for got, want in zip(parts, full.split(list(split), -1)):
         assert torch.equal(got, want)
     assert torch.equal(split_state, full_state)
+
+
+@pytest.mark.parametrize("dilation,state_dtype", [(1, torch.float32), (3, torch.float32), (3, torch.bfloat16)])
+def test_verified_rows_store_the_state_after_each_row(dilation, state_dtype):
+    """Speculative verification: where token_slots[t] >= 0 the slot receives the state after row t, which is what
+    single-token steps up to row t leave in the request's slot; the reference and the Triton kernel agree (a fresh
+    request holds NaNs in its slot, a request shorter than the state, rows without a token slot, a prefill)."""
+    from qwen4exp.ops.conv_triton import store_token_states
+
+    store = on_device(store_token_states)
+    channels, kernel = 24, 4
+    state_len = (kernel - 1) * dilation
+    lengths, slots, has_init = [3, 2, 4, 5], [5, 2, 7, 3], [True, False, True, True]
+    qsl = [0, 3, 5, 9, 14]
+    token_slots = [10, 11, -1, 12, -1, 13, -1, 14, -1] + [-1] * 5  # the last request is a prefill: none
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(qsl[-1], channels, generator=gen).to(state_dtype)  # the model's dtype, as its states
+    weight = torch.randn(channels, kernel, generator=gen)
+    state = torch.randn(16, channels, state_len, generator=gen).to(state_dtype)
+    state[2] = float("nan")
+    ref = state.clone()
+    out = causal_conv1d(x, weight, ref, qsl, slots, has_init, dilation, "silu", token_slots)
+    plain = state.clone()
+    torch.testing.assert_close(out, causal_conv1d(x, weight, plain, qsl, slots, has_init, dilation), rtol=0, atol=0)
+    for r, (slot, n) in enumerate(zip(slots, lengths)):
+        single = state.clone()
+        for j in range(n):
+            t = qsl[r] + j
+            causal_conv1d(x[t:t + 1], weight, single, [0, 1], [slot], [has_init[r] or j > 0], dilation)
+            if token_slots[t] >= 0:
+                assert torch.equal(ref[token_slots[t]], single[slot]), (r, j)
+        assert torch.equal(ref[slot], single[slot])
+    stored = torch.zeros(16, dtype=torch.bool)
+    stored[[s for s in token_slots if s >= 0]] = True
+    stored[slots] = True
+    assert torch.equal(ref[~stored], state[~stored])
+
+    fast = state.clone()
+    token_req = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    token_local = torch.cat([torch.arange(n) for n in lengths])
+    store(x, fast, torch.tensor(token_slots), token_req, token_local, torch.tensor(slots), torch.tensor(has_init))
+    written = [s for s in token_slots if s >= 0]
+    assert torch.equal(fast[written], ref[written])
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(fast[untouched].nan_to_num(7.0), state[untouched].nan_to_num(7.0))

@@ -286,3 +286,51 @@ def test_varlen_equals_uniform_tokens_per_request():
     rows = real.repeat_interleave(L)
     assert torch.equal(uniform[rows], varlen[rows])
     assert torch.equal(uniform_state[1:].nan_to_num(), varlen_state[1:].nan_to_num())
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_verified_rows_store_the_state_after_each_row(raw):
+    """Speculative verification: the kernel over each request's own token range stores the state after every row
+    with a token slot into that slot, and equals the reference (which runs such requests token by token): outputs,
+    final states, stored states; a decode, two verified requests (one fresh, its slot NaN) and no other slot
+    touched."""
+    from qwen4exp.ops.gated_delta import gated_delta_rule_ref
+
+    hk, hv, dk, dv = 1, 2, 16, 16
+    lengths, slots, has_init = [1, 3, 4], [5, 2, 7], [True, False, True]
+    qsl = [0, 1, 4, 8]
+    token_slots = [-1, 1, 3, -1, 4, 6, 8, -1]
+    q, k, v, b, a, A_log, dt_bias, state, *_ = _raw_case(hk, hv, dk, dv, 1, torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    T = qsl[-1]
+    q, k = torch.randn(T, hk, dk, generator=gen), torch.randn(T, hk, dk, generator=gen)
+    v = torch.randn(T, hv, dv, generator=gen)
+    b, a = torch.randn(T, hv, generator=gen), torch.randn(T, hv, generator=gen)
+    state[2] = float("nan")
+    beta, g = gdn_gates(b, a, A_log, dt_bias)
+    ref_state = state.clone()
+    ref = gated_delta_rule_ref(q, k, v, g, beta, ref_state, qsl, slots, has_init, token_slots)
+    single_state = state.clone()
+    for r, slot in enumerate(slots):
+        for j in range(lengths[r]):
+            t = qsl[r] + j
+            o = gated_delta_rule_ref(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], single_state,
+                                     [0, 1], [slot], [has_init[r] or j > 0])
+            torch.testing.assert_close(ref[t], o[0], rtol=0, atol=0)
+            if token_slots[t] >= 0:
+                assert torch.equal(ref_state[token_slots[t]], single_state[slot])
+        assert torch.equal(ref_state[slot], single_state[slot])
+
+    fast_state = state.clone()
+    args = (torch.tensor(slots), torch.tensor(has_init))
+    kw = dict(query_start_loc=torch.tensor(qsl, dtype=torch.int32), token_slots=torch.tensor(token_slots))
+    if raw:
+        out = fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, fast_state, *args, **kw)
+    else:
+        out = fused_recurrent_gated_delta_rule(q, k, v, g, beta, fast_state, *args, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    written = slots + [s for s in token_slots if s >= 0]
+    torch.testing.assert_close(fast_state[written], ref_state[written], rtol=1e-5, atol=1e-6)
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(fast_state[untouched], state[untouched])

@@ -1,0 +1,298 @@
+"""Speculative decoding with the checkpoint's MTP draft layer (`--speculative-config '{"method": "mtp",
+"num_speculative_tokens": k}'`, vLLM's flag).
+
+One engine step with speculation:
+1. the scheduler gives each decoding request its last sampled token and up to k drafts (scheduler.py), mixed with
+   prefill chunks and plain decodes; verified requests run after the decodes (model/metadata.py);
+2. the target computes every row once, returning its logits and the multi-stream states the draft layer reads;
+3. rejection_sampler.py keeps a prefix of each request's drafts and emits one token after it (greedy: accept while
+   equal), so outputs are distributed as without speculation;
+4. the host commits the kept tokens through the output processor, token by token, so stop ids, EOS, stop strings,
+   max_tokens, logprobs and min_tokens act as they would one token at a time: a stop inside the drafts ends the
+   request there;
+5. a proposer drafts the next tokens (MTPProposer: draft step 0 over every kept row of the step, prefill chunks
+   included, so the draft layer's cache holds every position; then one row per request for each further draft).
+
+Rollback. Attention caches (the target's and the draft layer's K/V, QSA raw and compressed keys) are written by
+position: a rejected draft's rows are rewritten when its position is computed again, before any query reads them
+(a query reads positions up to its own; a QSA block key is recomputed by the step whose row completes the block),
+so they need no rollback. The n-gram context is built from committed tokens. The recurrent states (GDN recurrent
+and conv state, PLE conv window) are kept once per draft position: a request holds 1 + k state slots, the verify
+step stores the state after each row 0 .. n-1 into the request's spare slots (after the last row into its own slot,
+as every step does), and the slot of the last kept row becomes the request's state slot.
+
+Why slots rather than recomputation (one checkpoint per request, the kept rows computed again after a rejection):
+storing a state is a copy, recomputing is a pass of the whole target over the kept rows, each token through its own
+experts. On CPU (small preset, fp32, 200-token contexts, acceptance 0.6 per position) storing costs at most 1.8, 3.6
+and 5.3 ms of a 68, 87 and 99 ms verify step at batch 8 for k = 1, 2, 3, while recomputation adds 0.4, 0.9 and 1.3
+tokens on average to the next step: +7, +10 and +39 ms (batch 1: storing <= 0.7 ms, recomputing +0.7 to +5 ms).
+On a GPU a stored state is a write of the state per GDN layer, draft and request (flash-next-128e: 3 MiB a layer,
+~110 MiB a draft over its 36 GDN layers, ~25 us at an H200's bandwidth), a recomputed token a pass through ~10 more
+experts per MoE layer; the price of the slots is memory, (1 + k) x the states per sequence (memory.py plans it).
+
+Runs eagerly: steps that verify, and every step with speculation on (they return the multi-stream states), run
+without CUDA graphs; asynchronous scheduling is off (the next step's tokens are the accepted ones).
+
+A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
+speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through
+the drafts before it and rolled back after a rejection; it keeps the grammar's semantics and costs it only the
+speedup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig
+from ..model import ModelCache
+from .rejection_sampler import RejectionSampler, VerifiedBatch
+from .request import Request
+from .sampler import SampledBatch, Sampler, SamplerOutput
+from .scheduler import SchedulerOutput
+from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
+
+
+@dataclass
+class DraftEntry:
+    """A request of the step just completed, for the proposer: its rows start..start+num_rows-1 were kept (for a
+    verified request, its last sampled token and the accepted drafts), `row` is the first of them in the step's
+    multi-stream states, and it wants num_drafts drafts after its last token (0 for a prefill chunk that does not
+    end its prompt)."""
+
+    request: Request
+    start: int
+    num_rows: int
+    row: int
+    num_drafts: int
+
+
+@dataclass
+class DraftBatch:
+    entries: list[DraftEntry]
+    streams: torch.Tensor  # [T, hc*H] the step's multi-stream states (runner.execute(..., return_streams=True))
+
+
+class MTPProposer:
+    """Greedy drafts from the model's MTP layer (model/mtp.py's drafting contract), on the step's cache pages."""
+
+    def __init__(self, model, cache: ModelCache, page_size: int, device):
+        self.model, self.cache, self.device = model, cache, torch.device(device)
+        self.builder = StepBuilder(model.config, page_size)
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        """Drafts for each entry (num_drafts of them, [] for none). Draft step 0 runs over every kept row of every
+        entry: row t brings the token at t + 1 (the prompt's next, or the token committed after it)."""
+        entries = batch.entries
+        if not entries:
+            return []
+        chunks, rows = [], []
+        for e in entries:
+            req, n = e.request, e.num_rows
+            chunks.append(RequestChunk(req.token_ids(e.start + 1, e.start + n + 1), e.start, [], req.pages,
+                                       req.state_slot, n - 1 if e.num_drafts else n))
+            rows += range(e.row, e.row + n)
+        layout = self.builder.build(chunks)
+        meta = layout.to_metadata(self.device)
+        hidden, streams = self.model.draft(meta, self.cache, batch.streams[to_device(rows, self.device, torch.long)])
+        drafting = [i for i, e in enumerate(entries) if e.num_drafts]
+        out: list[list[int]] = [[] for _ in entries]
+        if not drafting:
+            return out
+        tokens = [self.model.compute_logits(hidden[meta.logits_indices]).argmax(-1)]
+        last = to_device([layout.query_start_loc[i + 1] - 1 for i in drafting], self.device, torch.long)
+        streams = streams[last]
+        active = drafting  # entries still drafting, in the order of the rows of `tokens[-1]` and `streams`
+        steps = [active]
+        for j in range(1, max(entries[i].num_drafts for i in drafting)):
+            keep = [r for r, i in enumerate(active) if entries[i].num_drafts > j]
+            active = [active[r] for r in keep]
+            chunks = []
+            for r, i in zip(keep, active):
+                e = entries[i]
+                # the row of position (the entry's last kept row) + j, fed draft j
+                chunks.append(RequestChunk([0], e.start + e.num_rows - 1 + j, [], e.request.pages,
+                                           e.request.state_slot, 0, pending_row=r))
+            layout = self.builder.build(chunks)
+            meta = layout.to_metadata(self.device)
+            fill_pending(meta.input_ids, layout.pending, tokens[-1])
+            if len(keep) < streams.shape[0]:
+                streams = streams[to_device(keep, self.device, torch.long)]
+            hidden, streams = self.model.draft(meta, self.cache, streams, step=j)
+            tokens.append(self.model.compute_logits(hidden).argmax(-1))
+            steps.append(active)
+        for step_tokens, step_entries in zip(tokens, steps):
+            for i, t in zip(step_entries, step_tokens.tolist()):
+                out[i].append(t)
+        return out
+
+
+@dataclass
+class SpecStep:
+    """A launched step with speculation: its spans (request, start, end, first logits position) for the output
+    processor, the logits rows kept for prompt logprobs, the requests verified (or sampling without drafts) with
+    their drafts, the verification on the device, the multi-stream states, and the requests sampled under a
+    grammar."""
+
+    spans: list[tuple[Request, int, int, int]]
+    logits: torch.Tensor | None
+    sample_reqs: list[Request]
+    drafts: list[list[int]]
+    verified: VerifiedBatch | None
+    streams: torch.Tensor
+    rows: list[int]  # each span's first row in `streams`
+    constrained: list[Request] = field(default_factory=list)  # sampled under a grammar's mask, one token each
+    constrained_sampled: SampledBatch | None = None
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode counters of one step: verified requests with drafts, their drafts, the accepted ones,
+    and the accepted ones per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
+class SpecDecoder:
+    """The engine's speculative decoding: launches a step's verification and completes it (commit, state slots,
+    drafts). `proposer` is any object with `propose(DraftBatch) -> list[list[int]]` (default: MTPProposer)."""
+
+    def __init__(self, config: EngineConfig, model, cache: ModelCache, page_size: int, device, sampler: Sampler):
+        self.k = config.num_speculative_tokens
+        self.max_model_len = config.max_model_len
+        self.page_size = page_size
+        self.rejection = RejectionSampler(sampler)
+        self.proposer = MTPProposer(model, cache, page_size, device)
+
+    def launch(self, engine, sched: SchedulerOutput, mixed_graphs: bool = True) -> SpecStep:
+        """Runs the target over the step's chunks and verifies the drafts, without waiting for either."""
+        n_ctx = engine.model_config.ngram_size - 1
+        # decodes, then verified requests, then prefill chunks: the runner's order, so the states' rows follow ours
+        scheduled = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
+        chunks, spans, rows, row = [], [], [], 0
+        for s in scheduled:
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_tokens
+            drafts = req.draft_token_ids[: s.num_draft_tokens]
+            first = start if drafts else engine._logits_from(req, start, end)
+            chunks.append(RequestChunk(
+                token_ids=req.token_ids(start, end - len(drafts)) + drafts,
+                context_len=start,
+                history=req.token_ids(max(0, start - n_ctx), start),
+                pages=req.pages,
+                state_slot=req.state_slot,
+                logits_from=first - start,
+                state_token_slots=req.spare_slots[: len(drafts)] if drafts else None,
+            ))
+            spans.append((req, start, end, first))
+            rows.append(row)
+            row += s.num_tokens
+        logits, streams = engine.runner.execute(chunks, None, mixed_graphs, return_streams=True)
+        logit_rows, sample_reqs, sample_drafts, keep_logits, row = [], [], [], False, 0
+        constrained_rows, constrained = [], []
+        for (req, start, end, first), chunk in zip(spans, chunks):
+            keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1
+            verified = chunk.state_token_slots is not None
+            if req.grammar is not None and end == req.num_tokens:
+                constrained_rows.append(row + end - first - 1)
+                constrained.append(req)
+            elif verified or end == req.num_tokens:
+                n = end - start if verified else 1
+                logit_rows += range(row + end - first - n, row + end - first)
+                sample_reqs.append(req)
+                sample_drafts.append(chunk.token_ids[1:] if verified else [])
+            req.num_computed_tokens = start if verified else end  # a verified request's is set once verified
+            row += end - first
+        verified = constrained_sampled = None
+        if sample_reqs:
+            logits_s = logits if logit_rows == list(range(logits.shape[0])) else logits[to_device(logit_rows,
+                                                                                                  logits.device)]
+            verified = self.rejection.verify(logits_s, sample_reqs, sample_drafts,
+                                             [engine._stop_ids(r) for r in sample_reqs])
+        if constrained:
+            constrained_sampled = engine._sample(logits[to_device(constrained_rows, logits.device)], constrained,
+                                                 list(range(len(constrained))))
+        for req in sample_reqs + constrained:
+            req.num_pending += 1
+        return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, streams, rows,
+                        constrained, constrained_sampled)
+
+    def complete(self, engine, step: SpecStep) -> list:
+        """Reads the verification (waiting for the device), commits the kept tokens, moves each verified request to
+        the state slot of its last kept row, records the counters, frees finished sequences and drafts the next
+        tokens of the others. Returns the step's RequestOutputs."""
+        kept: dict[int, int] = {}  # id(request) -> rows kept by a verified request (1 + accepted drafts)
+        commit_reqs, commit_rows = [], []
+        stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.k)
+        samples = None
+        if step.verified is not None:
+            rows_out, num_accepted = step.verified.to_host()
+            row = 0
+            for req, drafts, a in zip(step.sample_reqs, step.drafts, num_accepted):
+                req.num_pending -= 1
+                commit_reqs += [req] * (a + 1)
+                commit_rows += range(row, row + a + 1)
+                row += len(drafts) + 1
+                if drafts:
+                    kept[id(req)] = a + 1
+                    stats.observe(len(drafts), a)
+                    req.num_computed_tokens += a + 1
+                    if a < len(drafts):  # the state after the last kept row is in the spare slot of that row
+                        req.state_slot, req.spare_slots[a] = req.spare_slots[a], req.state_slot
+            samples = _select(rows_out, commit_rows)
+        if step.constrained:
+            for req in step.constrained:
+                req.num_pending -= 1
+            commit_reqs += step.constrained
+            samples = _concat(samples, step.constrained_sampled.to_host())
+        if stats.num_drafts:
+            engine.metrics.record_spec_decode(stats)
+        outputs, finished = engine.output_processor.process(step.spans, step.logits, commit_reqs, samples)
+        for req in finished:
+            engine._free(req)
+        sampled = {id(r) for r in step.sample_reqs}  # a grammar's request gets no drafts
+        entries = []
+        for (req, start, end, first), row in zip(step.spans, step.rows):
+            if req.finished:
+                continue
+            wants = self._num_drafts(req) if id(req) in sampled else 0
+            entries.append(DraftEntry(req, start, kept.get(id(req), end - start), row, wants))
+        drafts = self.proposer.propose(DraftBatch(entries, step.streams))
+        for e, d in zip(entries, drafts):
+            e.request.draft_token_ids = d[: e.num_drafts]
+        return outputs
+
+    def _num_drafts(self, req: Request) -> int:
+        """Drafts for a request's next step: k, less where its output would pass max_tokens or max_model_len, or
+        its pages would not hold the positions the draft layer writes while drafting."""
+        if req.finished:
+            return 0
+        n = req.num_tokens
+        capacity = len(req.pages) * self.page_size
+        return max(0, min(self.k, req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - n - 1,
+                          capacity - n + 1))
+
+
+def _concat(a: SamplerOutput | None, b: SamplerOutput) -> SamplerOutput:
+    if a is None:
+        return b
+    return SamplerOutput(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks,
+                         a.topk_ids + b.topk_ids, a.topk_logprobs + b.topk_logprobs)
+
+
+def _select(out: SamplerOutput, rows: list[int]) -> SamplerOutput:
+    return SamplerOutput([out.token_ids[r] for r in rows], [out.logprobs[r] for r in rows],
+                         [out.ranks[r] for r in rows], [out.topk_ids[r] for r in rows],
+                         [out.topk_logprobs[r] for r in rows])

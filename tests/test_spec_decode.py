@@ -1,0 +1,576 @@
+"""Speculative decoding (engine/spec_decode.py, engine/rejection_sampler.py): lossless against decoding without it,
+with the MTP layer's drafts (random weights: mostly rejected) and with drafts forced right or half right through the
+proposer interface, under chunked prefill, preemption and requests arriving over time; the sampling distribution by
+a chi-square test; configuration, metrics and the draft layer's proposals."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from qwen4exp import LLM, SamplingParams
+from qwen4exp.config import ConfigError, EngineConfig
+from qwen4exp.engine.spec_decode import DraftBatch
+from qwen4exp.weights.random_checkpoint import make_random
+
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, page_size=8)
+# chunked prefill (24 tokens a step) and too few pages for everyone (preemption)
+BUSY = dict(ENGINE, num_pages=20, max_num_batched_tokens=24, max_num_seqs=12)
+
+
+def speculative(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_random(str(tmp_path_factory.mktemp("tiny")), "tiny", dtype="float32", seed=1)
+
+
+def serve(llm, requests, seed: int = 0) -> dict:
+    """requests: (id, prompt ids, params), arriving a few per step; returns each request's final output."""
+    engine = llm.llm_engine
+    rng = random.Random(seed)
+    pending, outputs, steps = list(requests), {}, 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randrange(0, 4)):
+            if pending:
+                rid, prompt, params = pending.pop(0)
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        steps += 1
+        assert steps < 5000
+    return outputs
+
+
+class ScriptedProposer:
+    """Drafts a request's continuation as decoding without speculation produced it (`expected`: request id -> its
+    output tokens), each draft replaced by a wrong token where `wrong(position)` says so."""
+
+    def __init__(self, expected: dict[str, list[int]], wrong=lambda position: False):
+        self.expected, self.wrong = expected, wrong
+        self.proposed = 0
+
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        out = []
+        for e in batch.entries:
+            req = e.request
+            n = len(req.output_token_ids)
+            drafts = (self.expected[req.request_id][n: n + e.num_drafts] + [3] * e.num_drafts)[: e.num_drafts]
+            out.append([(t + 1) % 500 if self.wrong(n + i) else t for i, t in enumerate(drafts)])
+            self.proposed += len(drafts)
+        return out
+
+
+def child_ids(rid: str, n: int) -> list[str]:
+    return [rid] if n == 1 else [f"{i}_{rid}" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_dir):
+    """33 greedy requests covering every sampling feature, and their outputs without speculation (BUSY engine)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 60))] for _ in range(32)]
+    prompts.append([rng.randrange(3, 500) for _ in range(84)])  # ends by max_model_len (96)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_dir, **ENGINE, num_pages=256)
+    free = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in free]
+    pieces = [[llm.get_tokenizer().decode([t]) for t in out] for out in tokens]
+    requests = []
+    for i, p in enumerate(prompts):
+        out = tokens[i]
+        kind = i % 9
+        kw = dict(temperature=0.0, max_tokens=rng.randrange(1, 17), ignore_eos=True)
+        if kind == 1:
+            kw.update(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3)
+        elif kind == 2:
+            kw.update(logit_bias={out[3]: 4.0, out[6]: -3.0}, max_tokens=16)
+        elif kind == 3:
+            kw.update(logprobs=3, prompt_logprobs=2)
+        elif kind == 4:
+            kw.update(n=2, logprobs=1)
+        elif kind == 5:  # a stop id that decoding meets
+            kw.update(stop_token_ids=[out[7]], ignore_eos=False, max_tokens=16)
+        elif kind == 6:  # a stop id banned until min_tokens
+            kw.update(stop_token_ids=[out[2]], min_tokens=9, ignore_eos=False, max_tokens=16)
+        elif kind == 7:  # a stop string
+            kw.update(stop=[next(t for t in pieces[i][5:] if t.strip())], max_tokens=16)
+        elif kind == 8:  # a two-token bad word that decoding would generate
+            kw.update(bad_words_token_ids=[[out[4], out[5]]], max_tokens=16)
+        if i == len(prompts) - 1:
+            kw.update(max_tokens=None)
+        requests.append((str(i), p, SamplingParams(**kw)))
+    expected = serve(LLM(tiny_dir, **BUSY), requests)
+    return requests, expected
+
+
+def assert_same_outputs(outputs: dict, expected: dict, requests) -> None:
+    for rid, _, params in requests:
+        got, want = outputs[rid], expected[rid]
+        for g, w in zip(got.outputs, want.outputs, strict=True):
+            assert g.token_ids == w.token_ids, f"request {rid} ({params})"
+            assert (g.finish_reason, g.stop_reason, g.text) == (w.finish_reason, w.stop_reason, w.text), rid
+            if w.logprobs is not None:
+                for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                    assert a.keys() == b.keys()
+                    for t in a:
+                        assert abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank
+            if w.cumulative_logprob is not None:
+                assert abs(g.cumulative_logprob - w.cumulative_logprob) < 1e-3
+        if want.prompt_logprobs is not None:
+            for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def wrong_half(position: int) -> bool:
+    return (position * 7 + 3) % 4 < 2
+
+
+@pytest.mark.parametrize("k,drafts", [(1, "mtp"), (2, "mtp"), (3, "mtp"), (3, "right"), (2, "half right")])
+def test_greedy_outputs_equal_decoding_without_speculation(tiny_dir, workload, k, drafts):
+    """Token-identical outputs, logprobs within 1e-4, the same finish reasons and texts (stop ids and strings inside
+    accepted drafts end the request there); preemption happened; every page and slot is free afterwards."""
+    requests, expected = workload
+    llm = LLM(tiny_dir, **BUSY, speculative_config=speculative(k))
+    engine = llm.llm_engine
+    if drafts != "mtp":
+        tokens = {cid: o.token_ids for rid, out in expected.items() for cid, o in
+                  zip(child_ids(rid, len(out.outputs)), out.outputs)}
+        engine.spec.proposer = ScriptedProposer(tokens, wrong_half if drafts == "half right" else lambda p: False)
+    outputs = serve(llm, requests)
+    assert_same_outputs(outputs, expected, requests)
+    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert engine.cache.all_free() and not engine.scheduler.running and not engine.scheduler.waiting
+    m = engine.metrics
+    drafted = m.total("vllm:spec_decode_num_draft_tokens_total")
+    accepted = m.total("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [m.registry.get_sample_value("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                           {**m.labels, "position": str(i)}) for i in range(k)]
+    assert drafted > 0 and sum(per_pos) == accepted
+    assert per_pos == sorted(per_pos, reverse=True)  # a draft is accepted only after the ones before it
+    if drafts == "right":
+        assert accepted >= 0.8 * drafted
+    elif drafts == "half right":
+        assert 0.1 * drafted < accepted < 0.7 * drafted
+
+
+# ----- the sampling distribution -----
+
+TEMPERATURE, TOP_K, SAMPLES = 1.0, 3, 20_000
+
+
+class TinyContexts:
+    """The tiny model's raw logits after the prompt and some generated tokens (from prompt logprobs over the whole
+    vocabulary, which differ from the logits by a constant per row: the same distributions)."""
+
+    def __init__(self, llm, prompt: list[int]):
+        self.llm, self.prompt, self.rows = llm, prompt, {}
+
+    def fetch(self, contexts: list[tuple]) -> None:
+        vocab = self.llm.llm_engine.model_config.vocab_size
+        todo = [c for c in dict.fromkeys(contexts) if c not in self.rows]
+        outs = self.llm.generate([{"prompt_token_ids": self.prompt + list(c) + [0]} for c in todo],
+                                 SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
+        for c, out in zip(todo, outs):
+            entry = out.prompt_logprobs[len(self.prompt) + len(c)]
+            row = torch.full((vocab,), float("-inf"))
+            row[list(entry)] = torch.tensor([lp.logprob for lp in entry.values()])
+            self.rows[c] = row
+
+    def __getitem__(self, context: tuple) -> torch.Tensor:
+        return self.rows[context]
+
+    def probs(self, context: tuple) -> dict[int, float]:
+        """The sampling distribution there, by hand: softmax(logits / T) over the top k."""
+        top = self.rows[context].topk(TOP_K)
+        return dict(zip(top.indices.tolist(), torch.softmax(top.values / TEMPERATURE, 0).tolist()))
+
+    def argmax(self, context: tuple) -> int:
+        return int(self.rows[context].argmax())
+
+
+@pytest.fixture(scope="module")
+def tiny_tree(tiny_dir):
+    """Every context the first three tokens can be sampled in, and the greedy drafts after them."""
+    ctx = TinyContexts(LLM(tiny_dir, **ENGINE, num_pages=64), [17, 230, 45])
+    ctx.fetch([()])
+    ctx.fetch([(t1,) for t1 in ctx.probs(())])
+    ctx.fetch([(t1, t2) for t1 in ctx.probs(()) for t2 in ctx.probs((t1,))])
+    ctx.fetch([(t1, t2, ctx.argmax((t1, t2))) for t1 in ctx.probs(()) for t2 in ctx.probs((t1,))])
+    return ctx
+
+
+def chi_square_p(counts: dict[tuple, int], ctx: TinyContexts) -> float:
+    """p-value of the counts of (t1, t2, t3) under the exact distribution (cells expected < 5 pooled)."""
+    cells = []
+    for t1, p1 in ctx.probs(()).items():
+        for t2, p2 in ctx.probs((t1,)).items():
+            for t3, p3 in ctx.probs((t1, t2)).items():
+                cells.append((SAMPLES * p1 * p2 * p3, counts.get((t1, t2, t3), 0)))
+    assert sum(c for _, c in cells) == SAMPLES  # nothing outside the support
+    small = [c for c in cells if c[0] < 5]
+    cells = [c for c in cells if c[0] >= 5] + ([(sum(e for e, _ in small), sum(o for _, o in small))] if small else [])
+    stat = sum((o - e) ** 2 / e for e, o in cells)
+    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def seeded_requests():
+    from qwen4exp.engine.request import Request
+
+    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=4) for i in range(SAMPLES)]
+    return [Request(str(i), [17, 230, 45], p, max_tokens=4) for i, p in enumerate(params)]
+
+
+def commit(reqs, out, num_rows, upto):
+    row = 0
+    for req, n, a in zip(reqs, num_rows, upto):
+        req.output_token_ids += out.token_ids[row: row + a + 1]
+        row += n
+
+
+def speculate(ctx: TinyContexts, k: int = 2) -> dict[tuple, int]:
+    """SAMPLES seeded requests through the engine's verification, `k` drafts a step that are the target's greedy
+    tokens (as a perfect draft layer would make them) and as many as the engine allows (max_tokens 4): what the
+    engine's steps do, batched over every request at once."""
+    from qwen4exp.engine.rejection_sampler import RejectionSampler
+    from qwen4exp.engine.sampler import Sampler
+
+    verifier = RejectionSampler(Sampler("cpu", seed=0))
+    reqs = seeded_requests()
+    active = reqs
+    while active:
+        drafts, rows = [], []
+        for req in active:
+            made = tuple(req.output_token_ids)
+            n = min(k, req.max_tokens - len(made) - 1) if made else 0
+            d = []
+            for _ in range(n):
+                d.append(ctx.argmax(made + tuple(d)))
+            drafts.append(d)
+            rows += [made + tuple(d[:j]) for j in range(n + 1)]
+        ctx.fetch(rows)
+        out, accepted = verifier.verify(torch.stack([ctx[r] for r in rows]), active, drafts,
+                                        [[] for _ in active]).to_host()
+        commit(active, out, [len(d) + 1 for d in drafts], accepted)
+        active = [r for r in active if len(r.output_token_ids) < 3]
+    return _counts(reqs)
+
+
+def _counts(reqs) -> dict[tuple, int]:
+    counts: dict[tuple, int] = {}
+    for r in reqs:
+        key = tuple(r.output_token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_the_test_accepts_sampling_without_speculation(tiny_tree):
+    """Calibration: the sampler without speculation (one token a step) passes the chi-square test."""
+    from qwen4exp.engine.sampler import Sampler
+
+    sampler, reqs = Sampler("cpu", seed=0), seeded_requests()
+    for _ in range(3):
+        rows = [tuple(r.output_token_ids) for r in reqs]
+        out = sampler(torch.stack([tiny_tree[c] for c in rows]), reqs, [[] for _ in reqs])
+        commit(reqs, out, [1] * len(reqs), [0] * len(reqs))
+    assert chi_square_p(_counts(reqs), tiny_tree) > 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("perturbation", [None, "accept more", "accept less"])
+def test_sampling_with_speculation_has_the_target_distribution(tiny_tree, monkeypatch, perturbation):
+    """20,000 seeded samples of the first three tokens (top_k 3, temperature 1) through the rejection sampler
+    with two greedy drafts a step match the distribution without speculation (chi-square p > 0.01); a perturbed
+    acceptance rule fails the same test."""
+    from qwen4exp.engine import rejection_sampler
+
+    exact = rejection_sampler.acceptance_probability
+    if perturbation == "accept more":
+        monkeypatch.setattr(rejection_sampler, "acceptance_probability", lambda p, q: exact(1.25 * p, q))
+    elif perturbation == "accept less":
+        monkeypatch.setattr(rejection_sampler, "acceptance_probability", lambda p, q: exact(0.8 * p, q))
+    p = chi_square_p(speculate(tiny_tree), tiny_tree)
+    if perturbation is None:
+        assert p > 0.01
+    else:
+        assert p < 1e-6
+
+
+# ----- the draft layer's proposals -----
+
+class RecordingProposer:
+    """The engine's MTP proposer, recording each request's tokens and the drafts proposed after them."""
+
+    def __init__(self, proposer):
+        self.proposer, self.records = proposer, []
+
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        drafts = self.proposer.propose(batch)
+        for e, d in zip(batch.entries, drafts):
+            if d:
+                req = e.request
+                self.records.append((req.prompt_token_ids + req.output_token_ids, d))
+        return drafts
+
+
+def reference_draft_logits(model, tokens: list[int], drafts: list[int]) -> list[torch.Tensor]:
+    """The draft layer's logits for each draft position after `tokens`, computed from scratch (model/mtp.py's
+    contract on a fresh cache): the target over tokens[:-1], draft step 0 over those rows fed tokens[1:], then one
+    row per further draft fed the previous draft."""
+    from qwen4exp.engine.step_builder import RequestChunk, StepBuilder
+    from qwen4exp.model import allocate_cache
+
+    page = 8
+    n = len(tokens)
+    pages = list(range(1, 2 + (n + len(drafts)) // page))
+    cache = allocate_cache(model.config, len(pages) + 1, page, 2, torch.float32, "cpu", mtp=True)
+    builder = StepBuilder(model.config, page)
+
+    def meta(ids, context):
+        hist = tokens[max(0, context - 2):context]
+        return builder.build([RequestChunk(ids, context, hist, pages, 1, 0)]).to_metadata("cpu")
+
+    with torch.inference_mode():
+        _, streams = model(meta(tokens[:-1], 0), cache, return_streams=True)
+        hidden, streams = model.draft(meta(tokens[1:], 0), cache, streams)
+        out = [model.compute_logits(hidden[-1:])[0]]
+        for j in range(1, len(drafts)):
+            hidden, streams = model.draft(meta([drafts[j - 1]], n - 2 + j), cache, streams[-1:], step=j)
+            out.append(model.compute_logits(hidden)[0])
+    return out
+
+
+def test_drafts_are_the_draft_layers_greedy_tokens_from_scratch(tiny_dir):
+    """Every draft the engine proposes (k = 3; chunked prefill, preemption, rejected drafts before it) is the
+    argmax of the draft layer computed from scratch over the request's tokens: the draft layer's cache holds every
+    position and rejected rows leave nothing in it."""
+    rng = random.Random(3)
+    llm = LLM(tiny_dir, **BUSY, speculative_config=speculative(3))
+    engine = llm.llm_engine
+    recorder = engine.spec.proposer = RecordingProposer(engine.spec.proposer)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(1, 60))],
+                 SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for i in range(12)]
+    serve(llm, requests)
+    assert engine.scheduler.num_preemptions > 0 and len(recorder.records) > 30
+    for tokens, drafts in recorder.records[::2]:
+        for draft, logits in zip(drafts, reference_draft_logits(engine.model, tokens, drafts)):
+            # ties within float noise of a batched computation may pick either
+            assert logits[draft] >= logits.max() - 1e-4, (tokens, drafts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,drafts", [(1, "mtp"), (3, "half right")])
+def test_small_preset_greedy_outputs_equal_decoding_without_speculation(tmp_path_factory, k, drafts):
+    """The small preset (8 layers, 16 experts, QSA selecting from 67 tokens on): 32 requests arriving over time,
+    chunked prefill and preemption; token-identical outputs and logprobs within 1e-4, the cache free afterwards."""
+    d = make_random(str(tmp_path_factory.mktemp("small")), "small", dtype="float32", seed=2)
+    rng = random.Random(5)
+    requests = [(str(i), [rng.randrange(3, 4000) for _ in range(rng.randrange(1, 90))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 10), ignore_eos=True,
+                                logprobs=2 if i % 4 == 0 else None)) for i in range(32)]
+    busy = dict(ENGINE, num_pages=24, max_num_batched_tokens=48, max_num_seqs=8)
+    expected = serve(LLM(d, **busy), requests)
+    llm = LLM(d, **busy, speculative_config=speculative(k))
+    engine = llm.llm_engine
+    if drafts != "mtp":
+        engine.spec.proposer = ScriptedProposer({rid: out.outputs[0].token_ids for rid, out in expected.items()},
+                                                wrong_half)
+    assert_same_outputs(serve(llm, requests), expected, requests)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.cache.all_free()
+
+
+# ----- configuration, seeds, metrics -----
+
+@pytest.mark.parametrize("value,field", [
+    ({"method": "eagle", "num_speculative_tokens": 1}, "speculative_config.method"),
+    ({"num_speculative_tokens": 1}, "speculative_config.method"),
+    ({"method": "mtp", "num_speculative_tokens": 5}, "speculative_config.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": "2"}, "speculative_config.num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "speculative_config"),
+    ([1], "speculative_config"),
+])
+def test_bad_speculative_config_names_the_field(value, field):
+    with pytest.raises(ConfigError) as e:
+        LLM(device="cpu", speculative_config=value)
+    assert e.value.field == field
+
+
+def test_speculative_config_is_vllms_json():
+    config = EngineConfig(speculative_config={"num_speculative_tokens": 3, "method": "mtp"})
+    assert config.num_speculative_tokens == 3 and EngineConfig().num_speculative_tokens == 0
+
+
+def test_checkpoint_without_mtp_weights_cannot_speculate(tiny_dir, tmp_path):
+    from test_mtp import without_mtp
+
+    from qwen4exp.weights.loader import MissingMTPError
+
+    d = without_mtp(tiny_dir, str(tmp_path / "no_mtp"))
+    LLM(d, **ENGINE, num_pages=16)  # fine without speculation
+    with pytest.raises(MissingMTPError, match=r"no MTP weights \(mtp\.\*\)"):
+        LLM(d, **ENGINE, num_pages=16, speculative_config=speculative(1))
+
+
+def test_seeded_requests_sample_the_same_alone_and_in_any_batch(tiny_dir):
+    """With speculation, a seeded request's tokens depend on its seed only, not on what else runs with it."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(2, 30))] for _ in range(8)]
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=i, max_tokens=12, ignore_eos=True,
+                             presence_penalty=0.4 if i % 2 else 0.0) for i in range(4)]
+    others = [SamplingParams(temperature=t, max_tokens=10, ignore_eos=True) for t in (0.0, 1.0, 0.0, 0.7)]
+    alone = LLM(tiny_dir, **ENGINE, num_pages=64, max_num_seqs=1, speculative_config=speculative(2))
+    want = [alone.generate([{"prompt_token_ids": p}], q, use_tqdm=False)[0].outputs[0].token_ids
+            for p, q in zip(prompts[:4], seeded)]
+    llm = LLM(tiny_dir, **BUSY, speculative_config=speculative(2))
+    requests = [(str(i), p, q) for i, (p, q) in enumerate(zip(prompts, seeded + others))]
+    requests = requests[4:6] + requests[:2] + requests[6:] + requests[2:4]
+    got = serve(llm, requests)
+    assert [got[str(i)].outputs[0].token_ids for i in range(4)] == want
+    assert len({tuple(w) for w in want}) == 4
+
+
+def test_spec_decode_metrics_as_vllm_exports_them(tiny_dir):
+    from prometheus_client import generate_latest
+
+    llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(2))
+    tokens = {"0": [5] * 20}
+    llm.llm_engine.spec.proposer = ScriptedProposer(tokens, lambda position: position % 3 == 2)
+    llm.llm_engine.add_request("0", {"prompt_token_ids": [3, 4]}, SamplingParams(temperature=0.0, max_tokens=9,
+                                                                                  ignore_eos=True,
+                                                                                  logit_bias={5: 100.0}))
+    outputs = []
+    while llm.llm_engine.has_unfinished_requests():
+        outputs += llm.llm_engine.step()
+    assert outputs[-1].outputs[0].token_ids == [5] * 9
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 3, 6, 9]
+    text = generate_latest(llm.llm_engine.metrics.registry).decode()
+    labels = f'engine="0",model_name="{tiny_dir}"'
+    # the target's token is always 5; drafts are wrong at outputs 2, 5, 8. Outputs 1-2: [5, x] (one kept, then 5),
+    # 3-4: [5, 5] (both kept, then the bonus 5), 6-7: [5, 5] (both kept, and the bonus is the 9th token)
+    for name, value in [("vllm:spec_decode_num_drafts_total", 3.0), ("vllm:spec_decode_num_draft_tokens_total", 6.0),
+                        ("vllm:spec_decode_num_accepted_tokens_total", 5.0)]:
+        assert f"{name}{{{labels}}} {value}" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 3.0' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} 2.0' in text
+    plain = LLM(tiny_dir, **ENGINE, num_pages=64)
+    assert "spec_decode" not in generate_latest(plain.llm_engine.metrics.registry).decode()
+
+
+def test_stats_line_reports_the_acceptance(tiny_dir, caplog):
+    import logging
+
+    from qwen4exp.engine.metrics import StatsLogger
+
+    caplog.set_level(logging.INFO, logger="qwen4exp")
+    llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(2))
+    llm.llm_engine.spec.proposer = ScriptedProposer({"0": [5] * 20}, lambda position: position % 3 == 2)
+    stats = StatsLogger(llm.llm_engine, interval=10.0)
+    start = time.monotonic()
+    llm.llm_engine.add_request("0", {"prompt_token_ids": [3, 4]},
+                               SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logit_bias={5: 100.0}))
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    caplog.clear()
+    stats.log(start + 10.0)
+    # as in test_spec_decode_metrics_as_vllm_exports_them: 3 drafts of 6 tokens, 5 accepted (3 first, 2 second)
+    assert ("SpecDecoding metrics: Mean acceptance length: 2.67, Accepted throughput: 0.50 tokens/s, Drafted "
+            "throughput: 0.60 tokens/s, Accepted: 5 tokens, Drafted: 6 tokens, Per-position acceptance rate: 1.000, "
+            "0.667, Avg Draft acceptance rate: 83.3%") in caplog.text
+    caplog.clear()
+    stats.log(start + 20.0)
+    assert "SpecDecoding" not in caplog.text  # no drafts in the interval
+
+
+# ----- the GPU dispatch -----
+
+class EagerSpeculativeGraphs:
+    """The CUDA-graph runner's speculative steps (buffer filling, padding request, state token slots) executed
+    eagerly on the metadata a graph captures (CPU: no capture), recording the buckets replayed."""
+
+    def __new__(cls, llm, k: int, buckets: list[int], max_num_batched_tokens: int):
+        from qwen4exp.engine.cuda_graph import CUDAGraphRunner
+
+        class Runner(CUDAGraphRunner):
+            def _run(self, key):
+                self.replayed.append(key[1])
+                meta = self._mixed_meta(*key[1:])
+                hidden, streams = self.model(meta, self.cache, return_streams=True)
+                return self.model.compute_logits(hidden), streams
+
+        engine = llm.llm_engine
+        runner = Runner(engine.model, engine.runner.cache, engine.cache.page_size, engine.config.max_model_len,
+                        max(buckets), "cpu", buckets, max_num_batched_tokens, k)
+        runner.replayed = []
+        return runner
+
+
+@pytest.mark.slow
+def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkeypatch):
+    """The ops' GPU paths (Triton kernels in the interpreter): decodes, verified requests and prefill chunks in one
+    step (GDN's recurrent kernel storing the state after each verified row, the conv's token states before its
+    varlen kernels), eagerly and on the speculative CUDA graphs' buffers (steps of at most 6 tokens), give decoding's
+    tokens and logprobs without speculation, with drafts half right. (QSA is dense here: its batched selection may
+    break ties between equal block scores otherwise than the reference.)"""
+    from qwen4exp import ops
+
+    tiny_dir = make_random(str(tmp_path / "dense"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 128})
+    rng = random.Random(11)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 24))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(2, 7), ignore_eos=True, logprobs=1))
+                for i in range(4)]
+    small = dict(ENGINE, num_pages=64, max_num_batched_tokens=12, max_num_seqs=4)
+    expected = serve(LLM(tiny_dir, **small), requests)
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    llm = LLM(tiny_dir, **small, speculative_config=speculative(2))
+    engine = llm.llm_engine
+    engine.spec.proposer = ScriptedProposer({rid: o.outputs[0].token_ids for rid, o in expected.items()},
+                                            wrong_half)
+    graphs = engine.runner.graphs = EagerSpeculativeGraphs(llm, 2, [1, 2], 12)
+    steps = []
+    execute = engine.runner.execute
+
+    def recorded(chunks, *args, **kwargs):
+        steps.append([(len(c.token_ids), c.state_token_slots is not None) for c in chunks])
+        return execute(chunks, *args, **kwargs)
+    engine.runner.execute = recorded
+    assert_same_outputs(serve(llm, requests), expected, requests)
+    assert any({(1, False)} & set(s) and any(v for _, v in s) and any(n > 1 and not v for n, v in s) for s in steps), \
+        "a step must hold a decode, a verified request and a prefill chunk"
+    assert set(graphs.replayed) == {3, 6} and len(graphs.replayed) < len(steps), "graphs and eager steps both"
+    assert engine.cache.all_free()
+
+
+def test_structured_output_requests_decode_without_drafts_beside_speculation(tiny_dir):
+    """A request under a grammar gets no drafts and samples under its mask; its output, and its free neighbours',
+    equal those without speculation (greedy), with drafts half right for the free ones."""
+    from qwen4exp import StructuredOutputsParams
+
+    rng = random.Random(13)
+    grammar = 'root ::= "[" num ("," " "? num){0,2} "]"\nnum ::= "-"? [1-9] [0-9]{0,2}'
+    requests = []
+    for i in range(8):
+        kw = dict(temperature=0.0, max_tokens=14, ignore_eos=i % 2 == 1)
+        if i % 2 == 0:
+            kw["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
+        requests.append((str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 20))], SamplingParams(**kw)))
+    small = dict(ENGINE, num_pages=64, max_num_batched_tokens=24, max_num_seqs=8)
+    expected = serve(LLM(tiny_dir, **small), requests)
+    llm = LLM(tiny_dir, **small, speculative_config=speculative(2))
+    proposer = llm.llm_engine.spec.proposer = ScriptedProposer(
+        {rid: o.outputs[0].token_ids for rid, o in expected.items()}, wrong_half)
+    drafted = []
+    propose = proposer.propose
+    proposer.propose = lambda batch: drafted.extend(
+        e.request.request_id for e in batch.entries if e.num_drafts) or propose(batch)
+    assert_same_outputs(serve(llm, requests), expected, requests)
+    assert all(expected[str(i)].outputs[0].finish_reason == "stop" for i in range(0, 8, 2))  # the grammar's end
+    assert drafted and not {str(i) for i in range(0, 8, 2)} & set(drafted)
+    assert llm.llm_engine.cache.all_free()
