@@ -30,8 +30,9 @@ On a GPU a stored state is a write of the state per GDN layer, draft and request
 ~110 MiB a draft over its 36 GDN layers, ~25 us at an H200's bandwidth), a recomputed token a pass through ~10 more
 experts per MoE layer; the price of the slots is memory, (1 + k) x the states per sequence (memory.py plans it).
 
-Runs eagerly: steps that verify, and every step with speculation on (they return the multi-stream states), run
-without CUDA graphs; asynchronous scheduling is off (the next step's tokens are the accepted ones).
+CUDA graphs: with speculation every step returns the multi-stream states, so the runner replays speculative
+mixed-layout graphs (cuda_graph.py) for decode and verify steps; the draft layer runs eagerly. Asynchronous
+scheduling is off (the next step's tokens are the accepted ones).
 
 A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
 speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through
