@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from qwen4exp.config import ModelConfig
@@ -101,3 +103,29 @@ def load_peak_rss(model_dir: str, **load_kwargs) -> tuple[int, dict[str, int], l
                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return result["peak"], result["sizes"], result["tables"]
+
+
+@contextlib.contextmanager
+def serve_on_loopback(app, log_level: str = "warning", timeout: float = 30.0):
+    """An ASGI app served by uvicorn on a free loopback port, in a thread of this process; yields its base URL."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -402,29 +402,12 @@ def failing_server():
 
 
 def test_bench_serve_counts_failed_requests_and_goes_on(tmp_path, capsys):
-    import socket
-    import threading
-    import time
+    from helpers import serve_on_loopback
 
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(failing_server(), host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    try:
-        main(["bench", "serve", "--port", str(port), "--num-prompts", "8", "--max-concurrency", "1",
+    with serve_on_loopback(failing_server(), log_level="critical") as url:
+        main(["bench", "serve", "--base-url", url, "--num-prompts", "8", "--max-concurrency", "1",
               "--input-len", "4", "--output-len", "3", "--metric-percentiles", "50,99", "--save-result",
               "--result-dir", str(tmp_path / "results"), "--result-filename", "flaky.json"])
-    finally:
-        server.should_exit = True
-        thread.join(10)
     result = json.loads((tmp_path / "results" / "flaky.json").read_text())
     assert result["model_id"] == "flaky"  # the server's first model
     assert (result["completed"], result["failed"]) == (2, 6)

@@ -7,15 +7,14 @@ import contextlib
 import math
 import os
 import re
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
+from helpers import serve_on_loopback
 from prometheus_client.parser import text_string_to_metric_families
 
 from qwen4exp import LLM, SamplingParams
@@ -58,16 +57,8 @@ def live(tiny_dir):
     engine = LLMEngine(tiny_dir, EngineConfig(**LIMITS, dtype="float32", device="cpu"))
     async_engine = AsyncEngine(engine, max_queued_requests=MAX_QUEUED).start()
     app = build_app(async_engine, MODEL, max_model_len=MAX_LEN, model_path=tiny_dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    poll(lambda: server.started, 30)
-    yield Live(f"http://127.0.0.1:{port}", async_engine)
-    server.should_exit = True
-    thread.join(10)
+    with serve_on_loopback(app) as url:
+        yield Live(url, async_engine)
     async_engine.shutdown()
 
 

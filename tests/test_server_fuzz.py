@@ -2,15 +2,12 @@
 own OpenAPI document, valid and invalid, a bounded number per route. No answer may be a 5xx, and every answer
 must be one the document lists, with its media type, headers and body schema."""
 
-import socket
-import threading
-import time
 
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis", reason="the fuzz test needs the `test` extra (schemathesis)")
 
-import uvicorn  # noqa: E402
+from helpers import serve_on_loopback  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
@@ -44,19 +41,8 @@ def fuzz_url(tmp_path_factory):
     engine = LLMEngine(path, EngineConfig(**LIMITS, dtype="float32", device="cpu"))
     async_engine = AsyncEngine(engine, max_queued_requests=4).start()
     app = build_app(async_engine, "tiny", api_key=KEY, renderer_timeout=5.0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_on_loopback(app) as url:
+        yield url
     async_engine.shutdown()
     assert engine.cache.all_free()  # nothing the fuzzing did leaked a page or a slot
 

@@ -10,9 +10,6 @@ import dataclasses
 import json
 import math
 import re
-import socket
-import threading
-import time
 from typing import Literal
 
 import httpx
@@ -20,7 +17,7 @@ import jsonschema_rs
 import openai
 import pytest
 import torch
-import uvicorn
+from helpers import serve_on_loopback
 from pydantic import BaseModel, Field
 
 from qwen4exp import LLM, SamplingParams, StructuredOutputsParams
@@ -419,19 +416,8 @@ def server(tiny_dir):
                                               max_num_batched_tokens=256, num_pages=256, page_size=8))
     async_engine = AsyncEngine(engine).start()
     app = build_app(async_engine, "tiny", max_model_len=256)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(10)
+    with serve_on_loopback(app) as url:
+        yield url, engine
     async_engine.shutdown()
 
 

@@ -8,16 +8,13 @@ generate under the tools' JSON schema: sampled over several seeds, the random mo
 
 import json
 import re
-import socket
-import threading
-import time
 
 import httpx
 import jsonschema_rs
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
+from helpers import serve_on_loopback
 
 from qwen4exp import LLM, SamplingParams
 from qwen4exp.config import EngineConfig
@@ -73,19 +70,8 @@ def engine(tiny_dir):
 @pytest.fixture(scope="module")
 def url(engine):
     app = build_app(engine, MODEL, max_model_len=MAX_LEN, **SERVER_OPTIONS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    end = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < end
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_on_loopback(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
