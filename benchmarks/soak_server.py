@@ -168,10 +168,14 @@ def main() -> None:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def idle() -> None:
+        """Waits until the engine is at rest: no request left, and idle long enough that its thread has handed
+        freed heap back to the system (AsyncEngine trims the heap after idle_wait_s without work), so RSS at the
+        start and at the end are measured in the same state."""
         deadline = time.monotonic() + 30
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.1)
         gc.collect()
+        time.sleep(async_engine.idle_wait_s + 0.5)
 
     start = time.monotonic()
     before = probe()
@@ -198,8 +202,8 @@ def main() -> None:
     result = load(args.requests, args.seed, args.time_limit - (time.monotonic() - start))
     sampling.set()
     sampler.join()
-    idle()
     after = probe()
+    idle()
     cache = engine.cache
     workers = _children()  # the client is done: these are the render workers
     report = {
