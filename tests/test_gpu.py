@@ -103,7 +103,7 @@ def test_fla_bf16_prefill_matches_the_chunked_reference(decodes):
     ref = gated_delta_rule_ref(q, k, v, gate, beta, ref_state, qsl, slots, has_init)
     meta = SimpleNamespace(query_start_loc_cpu=qsl, query_start_loc=torch.tensor(qsl, dtype=torch.int32).cuda(),
                            state_slots_cpu=slots, state_slots=torch.tensor(slots).cuda(), has_initial_state=has_init,
-                           has_initial=torch.tensor(has_init).cuda(), num_decode_reqs=decodes,
+                           has_initial=torch.tensor(has_init).cuda(), num_decode_reqs=decodes, num_verify_reqs=0,
                            num_reqs=len(lens), derived={})
     meta.prefill_chunk_indices = partial(StepMetadata.prefill_chunk_indices, meta)
     from fla.ops.utils.index import prepare_chunk_indices  # the layout fla derives itself (with a device sync)
