@@ -256,10 +256,11 @@ def test_gpu_structured_output_with_graphs_and_deferred_sampling(tmp_path):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_gpu_speculative_decoding_equals_decoding_without_it(k, tmp_path):
-    """Speculative decoding on the GPU (its CUDA graphs, the recurrent kernels storing each verified row's state, the
-    draft layer eager): greedy tokens and logprobs equal decoding's without speculation on the GPU (whose paths the
+    """Speculative decoding on the GPU (its CUDA graphs and the draft layer's, the recurrent kernels storing each
+    verified row's state): greedy tokens and logprobs equal decoding's without speculation on the GPU (whose paths the
     tests above hold to the reference), with the draft layer's drafts and with drafts half right; the step graphs
-    replay. (QSA dense: its batched selection breaks ties between equal block scores by the batch's layout.)"""
+    replay, the draft layer's too. (QSA dense: its batched selection breaks ties between equal block scores by the
+    batch's layout.)"""
     import random
 
     from test_spec_decode import ScriptedProposer, assert_same_outputs, serve, wrong_half
@@ -283,9 +284,15 @@ def test_gpu_speculative_decoding_equals_decoding_without_it(k, tmp_path):
         replayed = []
         run = graphs._run
         graphs._run = lambda key: replayed.append(key) or run(key)
-        if drafts != "mtp":
+        draft_replayed = []
+        if drafts == "mtp":  # the draft layer's own graphs
+            draft_graphs = llm.llm_engine.spec.proposer.graphs
+            run_draft = draft_graphs._run
+            draft_graphs._run = lambda key: draft_replayed.append(key) or run_draft(key)
+        else:
             llm.llm_engine.spec.proposer = ScriptedProposer(
                 {rid: o.outputs[0].token_ids for rid, o in expected.items()}, wrong_half)
         assert_same_outputs(serve(llm, requests), expected, requests)
         assert replayed, "decode and verify steps must replay the speculative graphs"
+        assert bool(draft_replayed) == (drafts == "mtp"), "draft steps must replay the draft layer's graphs"
         assert llm.llm_engine.cache.all_free()

@@ -548,6 +548,51 @@ def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkey
     assert engine.cache.all_free()
 
 
+@pytest.mark.slow
+def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatch):
+    """The draft layer's CUDA-graph steps (cuda_graph.py, draft=True: the mixed layout, the states copied into their
+    buffer, the greedy token of each request's last row), executed eagerly on the metadata a graph captures (CPU: no
+    capture), propose the very drafts the eager draft layer proposes, in draft step 0 (kept rows of decodes,
+    verified requests and prefill chunks) and the further draft steps; outputs stay decoding's."""
+    from qwen4exp import ops
+    from qwen4exp.engine.cuda_graph import CUDAGraphRunner
+
+    class EagerDraftGraphs(CUDAGraphRunner):
+        def execute_draft(self, chunks, streams, pending_ids=None):
+            self.replayed.append("further" if pending_ids is not None else "first")
+            return super().execute_draft(chunks, streams, pending_ids)
+
+        def _run(self, key):
+            meta = self._mixed_meta(*key[1:])
+            return self.forward(meta, meta.logits_indices)
+
+    d = make_random(str(tmp_path / "dense"), "tiny", dtype="float32", seed=2, overrides={"indexer_budget": 128})
+    rng = random.Random(5)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 24))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(3, 7), ignore_eos=True))
+                for i in range(4)]
+    small = dict(ENGINE, num_pages=64, max_num_batched_tokens=16, max_num_seqs=4)
+    expected = serve(LLM(d, **small), requests)
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    proposed = {}
+    for graphs in (False, True):
+        llm = LLM(d, **small, speculative_config=speculative(2))
+        engine = llm.llm_engine
+        proposer = engine.spec.proposer
+        if graphs:
+            proposer.graphs = runner = EagerDraftGraphs(engine.model, engine.runner.cache, engine.cache.page_size,
+                                                        engine.config.max_model_len, 4, "cpu", [1, 2, 4], 16, 2,
+                                                        draft=True)
+            runner.replayed = []
+        drafts = proposed[graphs] = []
+        propose = proposer.propose
+        proposer.propose = lambda batch: (lambda out: drafts.append(out) or out)(propose(batch))
+        assert_same_outputs(serve(llm, requests), expected, requests)
+        assert engine.cache.all_free()
+    assert proposed[True] == proposed[False] and any(any(len(x) > 1 for x in out) for out in proposed[True])
+    assert set(runner.replayed) == {"first", "further"}, "draft step 0 and the further draft steps replay graphs"
+
+
 def test_structured_output_requests_decode_without_drafts_beside_speculation(tiny_dir):
     """A request under a grammar gets no drafts and samples under its mask; its output, and its free neighbours',
     equal those without speculation (greedy), with drafts half right for the free ones."""

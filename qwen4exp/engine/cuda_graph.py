@@ -16,6 +16,12 @@ Speculative decoding (`speculative`, k drafts): every step returns its multi-str
 the runner captures mixed-layout graphs only, over token counts (1 + k) x the batch-size buckets (up to the step
 budget), each returning the logits of every row and the states; a step of decodes, verified requests (their state
 token slots in one more buffer, -1 elsewhere) and small prefill chunks replays the smallest that holds its tokens.
+
+The draft layer (`draft=True`, a second runner over the same buckets, sharing the target's memory pool): its steps
+are as small as the target's (draft step 0 covers the kept rows of a step, a further draft step one row per
+request), so run eagerly they cost more in kernel launches than in compute. Each graph runs `model.draft` on the
+mixed layout with the multi-stream states copied into one more buffer, and returns each request's greedy draft
+token and every row's states.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model, cache: ModelCache, page_size: int, max_model_len: int, max_num_seqs: int, device,
-                 buckets: list[int] | None = None, max_num_batched_tokens: int = 0, speculative: int = 0):
+                 buckets: list[int] | None = None, max_num_batched_tokens: int = 0, speculative: int = 0,
+                 draft: bool = False, pool=None):
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
@@ -80,7 +87,7 @@ class CUDAGraphRunner:
         self.variants = [max_model_len] + ([self.short_len] if self.short_len and self.short_len < max_model_len
                                            else [])
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.pool = pool
         self.table_width = 0  # block_tables columns at and past this are zero in every row
 
         self.speculative = speculative
@@ -105,7 +112,11 @@ class CUDAGraphRunner:
             new_block_token_slots=torch.zeros(nb, C, **z), new_block_slots=torch.zeros(nb, **z),
             new_block_positions=torch.zeros(nb, **z),
         )
-        if speculative:
+        self.draft = draft
+        if draft:  # the multi-stream state of each row, the draft layer's input
+            self.streams_in = torch.zeros(T, c.hc_count * c.hidden_size, dtype=model.lm_head.weight.dtype,
+                                          device=self.device)
+        elif speculative:
             self.mbuf["state_token_slots"] = torch.full((T,), -1, **z)
         self.mixed_arange = torch.arange(T, **z)
         self.mixed_table_width = 0
@@ -134,16 +145,24 @@ class CUDAGraphRunner:
             new_block_positions=b["new_block_positions"][:nb], token_req=b["token_req"][:T],
             token_pos=b["positions"][:T], token_local=b["token_local"][:T], has_initial=b["has_initial"],
             num_reqs=R, num_tokens=T, num_decode_reqs=0, max_seq_len=max_seq_len, in_cuda_graph=True,
-            state_token_slots=b["state_token_slots"][:T] if self.speculative else None,
+            state_token_slots=b["state_token_slots"][:T] if "state_token_slots" in b else None,
         )
+
+    def forward(self, meta: StepMetadata, rows: torch.Tensor | None):
+        """What a graph captures: the wanted logits rows (`rows`, None: all); with speculation every row's logits and
+        the multi-stream states; for the draft layer each request's greedy draft and every row's states."""
+        if self.draft:
+            hidden, streams = self.model.draft(meta, self.cache, self.streams_in[: meta.num_tokens])
+            return self.model.compute_logits(hidden[rows]).argmax(-1), streams
+        if self.speculative:
+            hidden, streams = self.model(meta, self.cache, return_streams=True)
+            return self.model.compute_logits(hidden), streams
+        hidden = self.model(meta, self.cache)
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def _capture_one(self, key: tuple, meta: StepMetadata, rows: torch.Tensor | None) -> None:
         def run():
-            if self.speculative:  # every row's logits and the multi-stream states
-                hidden, streams = self.model(meta, self.cache, return_streams=True)
-                return self.model.compute_logits(hidden), streams
-            hidden = self.model(meta, self.cache)
-            return self.model.compute_logits(hidden if rows is None else hidden[rows])
+            return self.forward(meta, rows)
 
         for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
             run()
@@ -168,9 +187,9 @@ class CUDAGraphRunner:
                            if not self.speculative]:
             self._capture_one((n, max_len), self._meta(n, max_len), None)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs (decode batch sizes %s, mixed-step token counts %s, context bounds %s) "
-                    "in %.1f s", len(self.graphs), self.buckets, self.mixed_sizes, self.variants,
-                    time.perf_counter() - t0)
+        logger.info("captured %d CUDA graphs%s (decode batch sizes %s, mixed-step token counts %s, context bounds "
+                    "%s) in %.1f s", len(self.graphs), " of the draft layer" if self.draft else "", self.buckets,
+                    self.mixed_sizes, self.variants, time.perf_counter() - t0)
 
     def _run(self, key: tuple) -> torch.Tensor:
         """Replays the graph of `key`: (batch size, context bound) for decode, ("mixed", tokens, context bound)."""
@@ -210,6 +229,19 @@ class CUDAGraphRunner:
         key, wanted = self.prepare_mixed(chunks, pending_ids)
         logits = self._run(key)
         return logits[host_to_device(wanted, logits.device)]  # a gather: a copy of the rows
+
+    @torch.inference_mode()
+    def execute_draft(self, chunks: list[RequestChunk], streams: torch.Tensor,
+                      pending_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft step (`draft=True`; chunks as MTPProposer builds them, `streams` [T, hc*H] their rows' states):
+        (the greedy draft of each chunk that wants a logits row, in chunk order; every row's new states, a view of
+        the graph's output valid until its next replay)."""
+        key, wanted = self.prepare_mixed(chunks, pending_ids)
+        total = streams.shape[0]
+        # rows past `total` keep what an earlier step left: the padding request's rows, which no other row reads
+        self.streams_in[:total].copy_(streams)
+        tokens, streams_out = self._run(key)
+        return tokens[host_to_device(wanted, tokens.device)], streams_out[:total]
 
     def _fill_mixed_padding(self, T: int, total: int) -> None:
         """Tokens total..T-1 belong to the padding request (last row), at positions 0, 1, ... of the null page."""
@@ -265,13 +297,14 @@ class CUDAGraphRunner:
         for name in ("new_block_token_slots", "new_block_slots", "new_block_positions"):
             put(b[name], getattr(layout, name), pad_blocks)
         self.mixed_table_width = self._put_tables(b["block_tables"], layout, R, self.mixed_table_width)
-        if self.speculative:
+        if "state_token_slots" in b:
             token_slots = layout.state_token_slots
             put(b["state_token_slots"], token_slots if token_slots is not None else np.full(total, -1, np.int64),
                 T - total, -1)
         self._fill_mixed_padding(T, total)
         fill_pending(b["input_ids"], layout.pending, pending_ids)
-        wanted = layout.logits_indices if self.speculative else layout.token_req[layout.logits_indices]
+        wanted = (layout.logits_indices if self.speculative and not self.draft
+                  else layout.token_req[layout.logits_indices])
         return ("mixed", T, self._variant(layout)), wanted
 
     def _execute_decode(self, layout: StepLayout, pending_ids: torch.Tensor | None = None) -> torch.Tensor:

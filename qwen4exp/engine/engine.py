@@ -109,20 +109,26 @@ class LLMEngine:
                                                                          self.model)
         self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.scheduler = Scheduler(self.config, self.cache)
-        graphs = None
+        graphs = draft_graphs = None
         speculative = self.config.speculative_config is not None
         if self.device.type == "cuda" and not self.config.enforce_eager:
             from .cuda_graph import CUDAGraphRunner
 
-            graphs = CUDAGraphRunner(self.model, cache_tensors, self.config.page_size, self.config.max_model_len,
-                                     self.config.max_num_seqs, self.device, self.config.cuda_graph_sizes,
-                                     self.config.max_num_batched_tokens, self.config.num_speculative_tokens)
+            def runner(**kw):
+                return CUDAGraphRunner(self.model, cache_tensors, self.config.page_size, self.config.max_model_len,
+                                       self.config.max_num_seqs, self.device, self.config.cuda_graph_sizes,
+                                       self.config.max_num_batched_tokens, self.config.num_speculative_tokens, **kw)
+
             with _out_of_memory_as_error("capturing CUDA graphs", self.config):
+                graphs = runner()
                 graphs.capture()
+                if speculative:  # the draft layer's graphs reuse the target's pool: they never run at once
+                    draft_graphs = runner(draft=True, pool=graphs.pool)
+                    draft_graphs.capture()
         self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
         self.sampler = Sampler(self.device, self.config.seed)
         self.spec = (SpecDecoder(self.config, self.model, cache_tensors, self.config.page_size, self.device,
-                                 self.sampler) if speculative else None)
+                                 self.sampler, draft_graphs) if speculative else None)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
         # the sampling defaults of requests that leave them unset (vLLM's get_diff_sampling_param)
         self.generation_defaults = generation_defaults(model, self.config.generation_config,

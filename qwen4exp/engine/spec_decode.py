@@ -31,8 +31,8 @@ On a GPU a stored state is a write of the state per GDN layer, draft and request
 experts per MoE layer; the price of the slots is memory, (1 + k) x the states per sequence (memory.py plans it).
 
 CUDA graphs: with speculation every step returns the multi-stream states, so the runner replays speculative
-mixed-layout graphs (cuda_graph.py) for decode and verify steps; the draft layer runs eagerly. Asynchronous
-scheduling is off (the next step's tokens are the accepted ones).
+mixed-layout graphs (cuda_graph.py) for decode and verify steps, and the draft layer's steps replay graphs of
+their own (MTPProposer.graphs). Asynchronous scheduling is off (the next step's tokens are the accepted ones).
 
 A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
 speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through
@@ -76,11 +76,25 @@ class DraftBatch:
 
 
 class MTPProposer:
-    """Greedy drafts from the model's MTP layer (model/mtp.py's drafting contract), on the step's cache pages."""
+    """Greedy drafts from the model's MTP layer (model/mtp.py's drafting contract), on the step's cache pages.
+    `graphs`: the draft layer's CUDA graphs (cuda_graph.py, `draft=True`), which take every draft step that fits
+    them; None: eager."""
 
-    def __init__(self, model, cache: ModelCache, page_size: int, device):
+    def __init__(self, model, cache: ModelCache, page_size: int, device, graphs=None):
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.builder = StepBuilder(model.config, page_size)
+        # a graph runs MTP layer 0: with several MTP layers, draft steps cycle through them (eagerly)
+        self.graphs = graphs if graphs is not None and len(model.mtp.layers) == 1 else None
+
+    def _draft(self, chunks: list[RequestChunk], streams: torch.Tensor, pending: torch.Tensor | None, step: int):
+        """One draft step: (the greedy draft of each chunk wanting one, in chunk order; every row's new states)."""
+        if self.graphs is not None and self.graphs.can_run(chunks):
+            return self.graphs.execute_draft(chunks, streams, pending)
+        layout = self.builder.build(chunks)
+        meta = layout.to_metadata(self.device)
+        fill_pending(meta.input_ids, layout.pending, pending)
+        hidden, streams = self.model.draft(meta, self.cache, streams, step=step)
+        return self.model.compute_logits(hidden[meta.logits_indices]).argmax(-1), streams
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> list[list[int]]:
@@ -89,22 +103,20 @@ class MTPProposer:
         entries = batch.entries
         if not entries:
             return []
-        chunks, rows = [], []
+        chunks, rows, ends = [], [], []
         for e in entries:
             req, n = e.request, e.num_rows
             chunks.append(RequestChunk(req.token_ids(e.start + 1, e.start + n + 1), e.start, [], req.pages,
                                        req.state_slot, n - 1 if e.num_drafts else n))
             rows += range(e.row, e.row + n)
-        layout = self.builder.build(chunks)
-        meta = layout.to_metadata(self.device)
-        hidden, streams = self.model.draft(meta, self.cache, batch.streams[to_device(rows, self.device, torch.long)])
+            ends.append(len(rows))
+        drafted, streams = self._draft(chunks, batch.streams[to_device(rows, self.device, torch.long)], None, 0)
         drafting = [i for i, e in enumerate(entries) if e.num_drafts]
         out: list[list[int]] = [[] for _ in entries]
         if not drafting:
             return out
-        tokens = [self.model.compute_logits(hidden[meta.logits_indices]).argmax(-1)]
-        last = to_device([layout.query_start_loc[i + 1] - 1 for i in drafting], self.device, torch.long)
-        streams = streams[last]
+        tokens = [drafted]
+        streams = streams[to_device([ends[i] - 1 for i in drafting], self.device, torch.long)]
         active = drafting  # entries still drafting, in the order of the rows of `tokens[-1]` and `streams`
         steps = [active]
         for j in range(1, max(entries[i].num_drafts for i in drafting)):
@@ -116,13 +128,10 @@ class MTPProposer:
                 # the row of position (the entry's last kept row) + j, fed draft j
                 chunks.append(RequestChunk([0], e.start + e.num_rows - 1 + j, [], e.request.pages,
                                            e.request.state_slot, 0, pending_row=r))
-            layout = self.builder.build(chunks)
-            meta = layout.to_metadata(self.device)
-            fill_pending(meta.input_ids, layout.pending, tokens[-1])
             if len(keep) < streams.shape[0]:
                 streams = streams[to_device(keep, self.device, torch.long)]
-            hidden, streams = self.model.draft(meta, self.cache, streams, step=j)
-            tokens.append(self.model.compute_logits(hidden).argmax(-1))
+            drafted, streams = self._draft(chunks, streams, tokens[-1], j)
+            tokens.append(drafted)
             steps.append(active)
         for step_tokens, step_entries in zip(tokens, steps):
             for i, t in zip(step_entries, step_tokens.tolist()):
@@ -170,12 +179,13 @@ class SpecDecoder:
     """The engine's speculative decoding: launches a step's verification and completes it (commit, state slots,
     drafts). `proposer` is any object with `propose(DraftBatch) -> list[list[int]]` (default: MTPProposer)."""
 
-    def __init__(self, config: EngineConfig, model, cache: ModelCache, page_size: int, device, sampler: Sampler):
+    def __init__(self, config: EngineConfig, model, cache: ModelCache, page_size: int, device, sampler: Sampler,
+                 draft_graphs=None):
         self.k = config.num_speculative_tokens
         self.max_model_len = config.max_model_len
         self.page_size = page_size
         self.rejection = RejectionSampler(sampler)
-        self.proposer = MTPProposer(model, cache, page_size, device)
+        self.proposer = MTPProposer(model, cache, page_size, device, draft_graphs)
 
     def launch(self, engine, sched: SchedulerOutput, mixed_graphs: bool = True) -> SpecStep:
         """Runs the target over the step's chunks and verifies the drafts, without waiting for either."""
