@@ -714,6 +714,9 @@ class EngineConfig:
         None, "speculative decoding as vLLM's JSON object, '{\"method\": \"mtp\", \"num_speculative_tokens\": k}': "
               "the checkpoint's multi-token-prediction layer drafts k tokens (1 to 4) after each sampled one and one "
               "step of the model verifies them; outputs are distributed as without it", parse=json_object_arg)
+    limit_mm_per_prompt: dict | None = _option(
+        None, "the most images of one prompt, as vLLM's JSON object ('{\"image\": 4}'); a prompt with more is "
+              "refused (default: no limit)", parse=json_object_arg)
 
     def __post_init__(self) -> None:
         # the Python API also takes torch.dtype / torch.device objects; the config keeps their names
@@ -744,6 +747,13 @@ class EngineConfig:
             raise ConfigError("cuda_graph_sizes", f"must be a non-empty list of positive integers, got {sizes!r}")
         _check_generation_source(self.generation_config, self.override_generation_config)
         object.__setattr__(self, "speculative_config", _check_speculative_config(self.speculative_config))
+        limits = self.limit_mm_per_prompt
+        if limits is not None:
+            if not isinstance(limits, dict) or set(limits) - {"image"}:
+                raise ConfigError("limit_mm_per_prompt", f"must be a JSON object with the key image, got {limits!r}")
+            image = limits.get("image")
+            if image is not None and (not isinstance(image, int) or isinstance(image, bool) or image < 0):
+                raise ConfigError("limit_mm_per_prompt.image", f"must be a non-negative integer, got {image!r}")
         if self.device is not None:
             import torch
 

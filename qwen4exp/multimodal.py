@@ -93,17 +93,20 @@ def _read_url_or_path(url: str, field_name: str) -> bytes:
 
 
 class ImageProcessor:
-    """The checkpoint's image processor (transformers' class named by preprocessor_config.json), resizing and
-    normalizing as the model was trained; with the vision config, the placeholder counts."""
+    """The checkpoint's image processor (transformers' class named by its preprocessor_config.json), resizing and
+    normalizing as the model was trained."""
 
-    def __init__(self, model_dir: str, vision: VisionConfig):
+    def __init__(self, processor, vision: VisionConfig):
+        self.processor, self.vision = processor, vision
+
+    @classmethod
+    def from_dir(cls, model_dir: str, vision: VisionConfig) -> ImageProcessor:
         from transformers import AutoImageProcessor
 
-        path = os.path.join(model_dir, "preprocessor_config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no preprocessor_config.json in {model_dir!r}: the vision model needs it")
-        self.processor = AutoImageProcessor.from_pretrained(model_dir)
-        self.vision = vision
+        if not os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
+            raise FileNotFoundError(f"no preprocessor_config.json in {model_dir!r}: the vision tower needs the "
+                                    f"checkpoint's image processor")
+        return cls(AutoImageProcessor.from_pretrained(model_dir), vision)
 
     def __call__(self, images: list) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
         """(pixel_values [patches, patch_dim] fp32, (t, h, w)) of each PIL image."""
@@ -117,6 +120,27 @@ class ImageProcessor:
                              f"takes {self.vision.patch_dim}")
         sizes = [t * h * w for t, h, w in grids]
         return list(zip(torch.split(pixels, sizes), grids))
+
+
+class MultiModalProcessor:
+    """A prompt's token ids and images -> the expanded token ids and their MultiModalState."""
+
+    def __init__(self, vision: VisionConfig, processor: ImageProcessor | None, limit: int | None = None):
+        """limit: the most images of one prompt (--limit-mm-per-prompt), None for any number."""
+        self.vision, self.processor, self.limit = vision, processor, limit
+
+    def prepare(self, token_ids: list[int], images: list, field_name: str = "multi_modal_data.image",
+                image_fields: list[str] | None = None) -> tuple[list[int], MultiModalState]:
+        """images: PIL images, bytes, paths or URLs; image_fields: the field each came from (errors name it)."""
+        if self.limit is not None and len(images) > self.limit:
+            raise ImageError(field_name, f"{len(images)} images in one prompt, more than the {self.limit} that "
+                                         f"--limit-mm-per-prompt allows")
+        if self.processor is None:
+            raise ImageError(field_name, "the model has no image processor (preprocessor_config.json)")
+        fields_ = image_fields or [f"{field_name}[{i}]" if len(images) > 1 else field_name
+                                   for i in range(len(images))]
+        pil = [load_image(x, f) for x, f in zip(images, fields_)]
+        return expand_placeholders(token_ids, self.processor(pil), self.vision, field_name)
 
 
 @dataclass

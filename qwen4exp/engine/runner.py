@@ -38,9 +38,12 @@ class ModelRunner:
 
         return_streams (speculative decoding, which orders its chunks decodes first): also return every row's
         multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), from the speculative graphs
-        (cuda_graph.py; then a view of the graph's output, valid until the next step is launched) or eagerly."""
+        (cuda_graph.py; then a view of the graph's output, valid until the next step is launched) or eagerly.
+
+        Steps with a request with images run eagerly: the graphs' buffers hold logical positions as the rotary
+        positions and no image features."""
         if (self.graphs is not None and return_streams == bool(self.graphs.speculative)
-                and self.graphs.can_run(chunks, mixed=mixed_graphs)):
+                and not any(c.mm is not None for c in chunks) and self.graphs.can_run(chunks, mixed=mixed_graphs)):
             return self.graphs.execute(chunks, pending_ids)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # decodes first
         ordered = [chunks[i] for i in order]

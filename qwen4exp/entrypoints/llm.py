@@ -14,16 +14,21 @@ from .protocol import ChatCompletionTool, ChatMessage
 
 class LLM:
     """`LLM(model, **engine_options)`: every EngineConfig field is a keyword (`dtype`, `device`, `max_model_len`,
-    ...). `weights` (an iterator of (name, tensor)), `tokenizer` and `model_config` hand the engine a model held in
-    memory instead of reading it from `model`."""
+    ...). `weights` (an iterator of (name, tensor)), `tokenizer`, `model_config` and `image_processor` (a
+    transformers image processor) hand the engine a model held in memory instead of reading it from `model`.
 
-    def __init__(self, model: str | None = None, *, weights=None, tokenizer=None, model_config=None, **kwargs):
+    A prompt with images is vLLM's `{"prompt": text, "multi_modal_data": {"image": image or [images]}}` (an image:
+    a PIL image, bytes, a path or a URL), the text holding one `<|vision_start|><|image_pad|><|vision_end|>` per
+    image."""
+
+    def __init__(self, model: str | None = None, *, weights=None, tokenizer=None, model_config=None,
+                 image_processor=None, **kwargs):
         unknown = sorted(set(kwargs) - {f.name for f in fields(EngineConfig)})
         if unknown:
             names = ", ".join(repr(n) for n in unknown)
             raise TypeError(f"LLM() got unexpected keyword argument{'s' * (len(unknown) > 1)} {names}")
         self.llm_engine = LLMEngine(model, EngineConfig(**kwargs), weights=weights, tokenizer=tokenizer,
-                                    model_config=model_config)
+                                    model_config=model_config, image_processor=image_processor)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
