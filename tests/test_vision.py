@@ -192,3 +192,94 @@ def test_offline_errors_name_the_field(llm):
                      use_tqdm=False)
     with pytest.raises(ValueError, match="multi_modal_data: only 'image'"):
         llm.generate({"prompt_token_ids": [5, IMAGE], "multi_modal_data": {"audio": b""}}, use_tqdm=False)
+
+
+# ----- a make-random --vision checkpoint, offline and served -----
+
+@pytest.fixture(scope="module")
+def vision_dir(tmp_path_factory):
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    path = str(tmp_path_factory.mktemp("tiny-vision"))
+    make_random(path, "tiny", dtype="float32", vision=True)
+    return path
+
+
+def data_url(im) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_random_vision_checkpoint_equals_transformers(vision_dir):
+    """make-random --vision writes the released layout: transformers loads it and its processor, and greedy
+    decoding of a chat with an image agrees."""
+    from transformers import AutoImageProcessor, Qwen4ExpForConditionalGeneration
+
+    from qwen4exp import LLM
+
+    llm = LLM(vision_dir, device="cpu", dtype="float32", max_model_len=256)
+    im = image(100, 70, 4)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image_url", "image_url": {"url": data_url(im)}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    text = llm.get_tokenizer().decode(out.prompt_token_ids)
+    pixels = AutoImageProcessor.from_pretrained(vision_dir)(images=[im], return_tensors="pt")
+    grid = pixels["image_grid_thw"][0].tolist()
+    assert "Look:\n<|vision_start|>" + "<|image_pad|>" * (grid[0] * grid[1] * grid[2] // 4) + "<|vision_end|>\n" \
+           "What is this?" in text
+    hf = Qwen4ExpForConditionalGeneration.from_pretrained(vision_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids[:-1]])
+    with torch.no_grad():
+        logits = hf(ids, mm_token_type_ids=(ids == hf.config.image_token_id).int(), **pixels).logits[0]
+    assert out.outputs[0].token_ids == logits[len(out.prompt_token_ids) - 1:].argmax(-1).tolist()
+
+
+def test_server_answers_images_and_refuses_bad_ones(vision_dir):
+    import httpx
+    import openai
+    from helpers import serve_on_loopback
+
+    from qwen4exp.config import EngineConfig
+    from qwen4exp.engine.engine import LLMEngine
+    from qwen4exp.entrypoints.async_engine import AsyncEngine
+    from qwen4exp.entrypoints.server import build_app
+
+    engine = LLMEngine(vision_dir, EngineConfig(max_model_len=256, device="cpu", dtype="float32",
+                                                limit_mm_per_prompt={"image": 2}))
+    async_engine = AsyncEngine(engine).start()
+    try:
+        with serve_on_loopback(build_app(async_engine, "tiny-vision", max_model_len=256,
+                                         model_path=vision_dir)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            part = {"type": "image_url", "image_url": {"url": data_url(image(64, 96, 1))}}
+            r = client.chat.completions.create(model="tiny-vision", max_tokens=5, temperature=0, messages=[
+                {"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}])
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+            assert r.usage.prompt_tokens > 6 * 4  # the image's 6 tokens among the template's
+
+            def post(parts):
+                return httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                    "model": "tiny-vision", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]})
+
+            for parts, field, message in [
+                ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                      + "aGVsbG8gd29ybGQ="}}], "messages[0].content[1].image_url",
+                 "not a readable image"),
+                ([{"type": "image_url", "image_url": {"url": "ftp://example.com/a.png"}}],
+                 "messages[0].content[1].image_url", "unsupported URL scheme 'ftp'"),
+                ([part] * 3, "messages", "3 images in one prompt, more than the 2"),
+                ([{"type": "image_url", "image_url": {}}], "messages[0].content[1].image_url", "must be"),
+            ]:
+                r = post(parts)
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == field and message in err["message"], err
+            assert engine.cache.all_free()
+    finally:
+        async_engine.shutdown()
