@@ -283,3 +283,23 @@ def test_server_answers_images_and_refuses_bad_ones(vision_dir):
             assert engine.cache.all_free()
     finally:
         async_engine.shutdown()
+
+
+def test_config_errors_name_the_field(vision_dir, tmp_path):
+    import json
+    import shutil
+
+    from qwen4exp.config import ConfigError, EngineConfig, load_model_config
+
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt.image"):
+        EngineConfig(limit_mm_per_prompt={"image": -1})
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt"):
+        EngineConfig(limit_mm_per_prompt={"audio": 1})
+    shutil.copytree(vision_dir, tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    raw = json.loads(path.read_text())
+    for key, value, field in [("out_hidden_size", 48, "vision_config.out_hidden_size"),
+                              ("num_position_embeddings", 50, "vision_config.num_position_embeddings")]:
+        path.write_text(json.dumps(dict(raw, vision_config=dict(raw["vision_config"], **{key: value}))))
+        with pytest.raises(ConfigError, match=field):
+            load_model_config(str(tmp_path / "m"))
