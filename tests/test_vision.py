@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, hf_config, random_prompt
+from helpers import hf_config, random_prompt
 
 from qwen4exp import SamplingParams
 from qwen4exp.config import ModelConfig, VisionConfig

@@ -236,7 +236,8 @@ class LLMEngine:
         if not data:
             return None
         if not isinstance(data, dict) or set(data) - {"image"}:
-            raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(data) if isinstance(data, dict) else data!r}")
+            got = sorted(data) if isinstance(data, dict) else data
+            raise ValueError(f"multi_modal_data: only 'image' is supported, got {got!r}")
         if self.mm_processor is None:
             raise ValueError("multi_modal_data: the model has no vision tower (config.json has no vision_config)")
         if self.spec is not None:

@@ -19,8 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WrapValidator, model_validator
 
-from ..multimodal import IMAGE_PLACEHOLDER
 from ..engine.request import MAX_BAD_WORDS, SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from ..multimodal import IMAGE_PLACEHOLDER
 
 logger = logging.getLogger("qwen4exp")
 

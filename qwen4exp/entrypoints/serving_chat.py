@@ -18,9 +18,9 @@ import time
 
 from fastapi import Request
 
+from ..multimodal import ImageError
 from .async_engine import RequestStream
 from .openai_format import ChatParsing, usage
-from ..multimodal import ImageError
 from .protocol import ChatCompletionRequest, image_urls
 from .reasoning import REASONING_PARSERS
 from .serving_engine import (
