@@ -327,7 +327,7 @@ class LLMEngine:
             return self.spec.launch(self, sched, mixed_graphs)
         n_ctx = self.model_config.ngram_size - 1
         prev = self._inflight
-        chunks, spans = [], []
+        chunks, spans, multimodal = [], [], False
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
@@ -337,8 +337,6 @@ class LLMEngine:
                 pending_row = prev.rows[req.request_id]
             first = self._logits_from(req, start, end)
             chunks.append(RequestChunk(
-                mm=req.mm,
-                mm_features=self._image_features(req, start, end) if req.mm is not None else None,
                 token_ids=req.token_ids(start, known) + [0] * (end - known),
                 context_len=start,
                 history=req.token_ids(max(0, start - n_ctx), start),
@@ -347,9 +345,12 @@ class LLMEngine:
                 logits_from=first - start,
                 pending_row=pending_row,
             ))
+            if req.mm is not None:
+                chunks[-1].mm, chunks[-1].mm_features = req.mm, self._image_features(req, start, end)
+                multimodal = True
             spans.append((req, start, end, first))
         pending_ids = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
-        logits = self.runner.execute(chunks, pending_ids, mixed_graphs)
+        logits = self.runner.execute(chunks, pending_ids, mixed_graphs, multimodal=multimodal)
         row, sample_rows, sample_reqs, keep_logits = 0, [], [], False
         for req, start, end, first in spans:
             keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1

@@ -162,7 +162,8 @@ class StepBuilder:
         self.n_ctx = max(config.ngram_size - 1, 0)
         self.eos = config.eos_token_id if config.eos_token_id is not None else 0
 
-    def build(self, chunks: list[RequestChunk]) -> StepLayout:
+    def build(self, chunks: list[RequestChunk], multimodal: bool = False) -> StepLayout:
+        """multimodal: some chunk has images (RequestChunk.mm), which its caller knows from building the chunks."""
         ps, C, n_ctx = self.page_size, self.C, self.n_ctx
         R = len(chunks)
         lengths = [len(c.token_ids) for c in chunks]
@@ -254,7 +255,7 @@ class StepBuilder:
             num_verify_reqs=num_verify,
             state_token_slots=token_slots,
         )
-        if any(c.mm is not None for c in chunks):
+        if multimodal:
             self._add_multimodal(layout, chunks)
         return layout
 
