@@ -148,6 +148,9 @@ class VisionConfig:
                     value == 0 and not f.name.endswith("_token_id"))):
                 where = f.name if f.name.endswith("_token_id") else f"vision_config.{f.name}"
                 raise ConfigError(where, f"must be a positive integer, got {value!r}")
+        if config.hidden_act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+            raise ConfigError("vision_config.hidden_act", f"must be gelu_pytorch_tanh or gelu, got "
+                                                          f"{config.hidden_act!r}")
         if config.hidden_size % config.num_heads or config.head_dim % 4:
             raise ConfigError("vision_config.num_heads", f"hidden_size {config.hidden_size} / num_heads "
                                                          f"{config.num_heads} must be a multiple of 4")

@@ -299,7 +299,8 @@ def test_config_errors_name_the_field(vision_dir, tmp_path):
     path = tmp_path / "m" / "config.json"
     raw = json.loads(path.read_text())
     for key, value, field in [("out_hidden_size", 48, "vision_config.out_hidden_size"),
-                              ("num_position_embeddings", 50, "vision_config.num_position_embeddings")]:
+                              ("num_position_embeddings", 50, "vision_config.num_position_embeddings"),
+                              ("hidden_act", "relu", "vision_config.hidden_act")]:
         path.write_text(json.dumps(dict(raw, vision_config=dict(raw["vision_config"], **{key: value}))))
         with pytest.raises(ConfigError, match=field):
             load_model_config(str(tmp_path / "m"))
