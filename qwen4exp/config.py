@@ -8,6 +8,7 @@ checked again here so that errors name the offending field whatever transformers
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -85,6 +86,82 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a multimodal checkpoint (`vision_config`, transformers' Qwen4ExpVisionConfig) and the
+    token ids that place its features in the text."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    rope_theta: float = 10000.0
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one flattened patch as the image processor writes them: channels x time x rows x columns."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @classmethod
+    def from_dict(cls, vision: dict, top: dict) -> VisionConfig:
+        """From config.json's `vision_config` and, for the token ids, its top level (transformers' defaults for
+        what either leaves out). Errors name the field."""
+        from transformers import Qwen4ExpConfig, Qwen4ExpVisionConfig
+
+        defaults = Qwen4ExpVisionConfig()
+        kw = {}
+        for f in fields(cls):
+            if f.name.endswith("_token_id"):
+                value = top.get(f.name, getattr(Qwen4ExpConfig, f.name, f.default))
+            elif f.name == "rope_theta":
+                rope = vision.get("rope_parameters") or {}
+                if rope.get("rope_type", "axial") != "axial":
+                    raise ConfigError("vision_config.rope_parameters.rope_type",
+                                      f"only 'axial' is supported, got {rope['rope_type']!r}")
+                value = float(rope.get("rope_theta", f.default))
+            else:
+                value = vision.get(f.name, getattr(defaults, f.name, f.default))
+            kw[f.name] = value
+        for name in ("patch_size", "temporal_patch_size"):
+            if isinstance(kw[name], (list, tuple)):
+                if len(set(kw[name])) != 1:
+                    raise ConfigError(f"vision_config.{name}", f"only square sizes are supported, got {kw[name]!r}")
+                kw[name] = kw[name][0]
+        config = cls(**kw)
+        for f in fields(cls):
+            value = getattr(config, f.name)
+            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool) or value < 0 or (
+                    value == 0 and not f.name.endswith("_token_id"))):
+                where = f.name if f.name.endswith("_token_id") else f"vision_config.{f.name}"
+                raise ConfigError(where, f"must be a positive integer, got {value!r}")
+        if config.hidden_act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+            raise ConfigError("vision_config.hidden_act", f"must be gelu_pytorch_tanh or gelu, got "
+                                                          f"{config.hidden_act!r}")
+        if config.hidden_size % config.num_heads or config.head_dim % 4:
+            raise ConfigError("vision_config.num_heads", f"hidden_size {config.hidden_size} / num_heads "
+                                                         f"{config.num_heads} must be a multiple of 4")
+        side = int(config.num_position_embeddings ** 0.5)
+        if side * side != config.num_position_embeddings:
+            raise ConfigError("vision_config.num_position_embeddings",
+                              f"must be a square number, got {config.num_position_embeddings}")
+        return config
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -144,6 +221,8 @@ class ModelConfig:
     quantization_config: QuantizationConfig | None = None
     # Token ids the generation loop stops on by default (from generation_config.json or config.json).
     stop_token_ids: tuple[int, ...] = field(default=(), compare=False)
+    # the vision tower of a multimodal checkpoint (None: text only)
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         quant = self.quantization_config
@@ -416,7 +495,14 @@ def load_model_config(model_dir: str) -> ModelConfig:
         eos = read_json(gen_path).get("eos_token_id")
         if eos is not None:
             stop = tuple(eos) if isinstance(eos, list) else (eos,)
-    return ModelConfig.from_hf(hf, stop)
+    config = ModelConfig.from_hf(hf, stop)
+    if model_type == "qwen4_exp" and raw.get("vision_config") is not None:
+        vision = VisionConfig.from_dict(raw["vision_config"], raw)
+        if vision.out_hidden_size != config.hidden_size:
+            raise ConfigError("vision_config.out_hidden_size", f"{vision.out_hidden_size} differs from the text "
+                                                               f"model's hidden_size {config.hidden_size}")
+        config = dataclasses.replace(config, vision=vision)
+    return config
 
 
 def _with_defaults(text: dict, hf_class):
@@ -631,6 +717,9 @@ class EngineConfig:
         None, "speculative decoding as vLLM's JSON object, '{\"method\": \"mtp\", \"num_speculative_tokens\": k}': "
               "the checkpoint's multi-token-prediction layer drafts k tokens (1 to 4) after each sampled one and one "
               "step of the model verifies them; outputs are distributed as without it", parse=json_object_arg)
+    limit_mm_per_prompt: dict | None = _option(
+        None, "the most images of one prompt, as vLLM's JSON object ('{\"image\": 4}'); a prompt with more is "
+              "refused (default: no limit)", parse=json_object_arg)
 
     def __post_init__(self) -> None:
         # the Python API also takes torch.dtype / torch.device objects; the config keeps their names
@@ -661,6 +750,13 @@ class EngineConfig:
             raise ConfigError("cuda_graph_sizes", f"must be a non-empty list of positive integers, got {sizes!r}")
         _check_generation_source(self.generation_config, self.override_generation_config)
         object.__setattr__(self, "speculative_config", _check_speculative_config(self.speculative_config))
+        limits = self.limit_mm_per_prompt
+        if limits is not None:
+            if not isinstance(limits, dict) or set(limits) - {"image"}:
+                raise ConfigError("limit_mm_per_prompt", f"must be a JSON object with the key image, got {limits!r}")
+            image = limits.get("image")
+            if image is not None and (not isinstance(image, int) or isinstance(image, bool) or image < 0):
+                raise ConfigError("limit_mm_per_prompt.image", f"must be a non-negative integer, got {image!r}")
         if self.device is not None:
             import torch
 

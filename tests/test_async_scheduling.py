@@ -77,8 +77,8 @@ def test_async_equals_sync(tiny_dir):
     eng = engine(tiny_dir, True)
     fed = []
     execute = eng.runner.execute
-    eng.runner.execute = lambda chunks, pending_ids=None, *args: fed.append(
-        sum(c.pending_row >= 0 for c in chunks)) or execute(chunks, pending_ids, *args)
+    eng.runner.execute = lambda chunks, pending_ids=None, *args, **kw: fed.append(
+        sum(c.pending_row >= 0 for c in chunks)) or execute(chunks, pending_ids, *args, **kw)
     asyn = drive(eng, requests())
     assert sum(fed) > 50, "decode tokens must reach the model from the device, not the host"
     assert sync.keys() == asyn.keys()

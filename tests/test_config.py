@@ -1,5 +1,6 @@
 """Config reading through transformers, and errors that name the offending field."""
 
+import dataclasses
 import json
 
 import pytest
@@ -29,7 +30,10 @@ def test_flat_and_multimodal_wrapper_give_the_same_config(tmp_path):
                                  "out_hidden_size": 64}}
     (tmp_path / "b").mkdir()
     wrapped = load_model_config(write(tmp_path / "b", wrapper))
-    assert flat == wrapped
+    assert flat == dataclasses.replace(wrapped, vision=None)
+    vision = wrapped.vision  # the wrapper's vision tower, transformers' defaults for what it leaves out
+    assert (vision.depth, vision.hidden_size, vision.num_heads, vision.out_hidden_size) == (1, 16, 2, 64)
+    assert (vision.patch_size, vision.spatial_merge_size, vision.image_token_id) == (16, 2, 248056)
     assert flat.layer_types == ("linear_attention",) * 3 + ("indexed_attention",)
     assert flat.ple_layer_ids == (2, 3) and flat.qsa and flat.rotary_dim == 8
 

@@ -93,7 +93,8 @@ def test_warm_up_runs_the_full_step_budget_beyond_max_model_len(tiny_dir):
         return steps[-1]
     engine.scheduler.schedule = recorded
     mixed_graphs, execute = [], engine.runner.execute
-    engine.runner.execute = lambda chunks, pending, mixed: mixed_graphs.append(mixed) or execute(chunks, pending, mixed)
+    engine.runner.execute = lambda chunks, pending, mixed, **kw: mixed_graphs.append(mixed) or execute(chunks, pending,
+                                                                                                      mixed, **kw)
     warm_up(engine)
     # the other rounds' prompts (5-300 tokens, cut to 36) make steps of at most 113 tokens
     assert max(s.num_tokens for s in steps) == 200

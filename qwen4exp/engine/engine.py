@@ -22,6 +22,7 @@ from ..config import (
     resolve_device,
 )
 from ..memory import InsufficientMemoryError
+from ..multimodal import ImageProcessor, MultiModalProcessor
 from ..weights.loader import load_model
 from .cache import allocate_engine_cache, resolve_page_size
 from .metrics import EngineMetrics
@@ -82,8 +83,11 @@ class LLMEngine:
         tokenizer=None,
         model_config: ModelConfig | None = None,
         served_model_name: str | None = None,
+        image_processor=None,
     ):
-        """served_model_name: the `model_name` label of the metrics (default: the model path)."""
+        """served_model_name: the `model_name` label of the metrics (default: the model path). image_processor: a
+        transformers image processor for a multimodal model held in memory (default: the one the checkpoint's
+        preprocessor_config.json names)."""
         self.config = engine_config or EngineConfig()
         self.served_model_name = served_model_name or model or "qwen4exp"
         self.device = resolve_device(self.config.device)
@@ -130,6 +134,12 @@ class LLMEngine:
         self.spec = (SpecDecoder(self.config, self.model, cache_tensors, self.config.page_size, self.device,
                                  self.sampler, draft_graphs) if speculative else None)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model)
+        self.mm_processor = None
+        if mc.vision is not None:
+            processor = (ImageProcessor(image_processor, mc.vision) if image_processor is not None
+                         else ImageProcessor.from_dir(model, mc.vision) if model is not None else None)
+            limit = (self.config.limit_mm_per_prompt or {}).get("image")
+            self.mm_processor = MultiModalProcessor(mc.vision, processor, limit)
         # the sampling defaults of requests that leave them unset (vLLM's get_diff_sampling_param)
         self.generation_defaults = generation_defaults(model, self.config.generation_config,
                                                        self.config.override_generation_config)
@@ -170,6 +180,9 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
         text, ids = self._tokenize_prompt(prompt)
+        mm = self._multimodal(prompt, ids) if isinstance(prompt, dict) else None
+        if mm is not None:
+            ids = mm[0]
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not ids:
@@ -208,12 +221,38 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, list(ids), params, index=i, parent_id=request_id, prompt=text,
                           arrival_time=now, max_tokens=max_tokens)
+            if mm is not None:  # each sequence consumes the features on its own schedule
+                req.mm = dataclasses.replace(mm[1], features={})
             if grammar is not None:
                 req.grammar = self.structured_outputs.matcher(grammar, self._stop_ids(req))
             children.append(req)
         self.output_processor.add(ParentRequest(request_id, text, list(ids), children))
         for req in children:
             self.scheduler.add(req)
+
+    def _multimodal(self, prompt: dict, ids: list[int]):
+        """(expanded ids, MultiModalState) of a prompt with `multi_modal_data` (vLLM's {"image": one or a list}) or
+        a `multi_modal_state` prepared by MultiModalProcessor.prepare; None for a prompt without images."""
+        state = prompt.get("multi_modal_state")
+        data = prompt.get("multi_modal_data")
+        if state is not None:
+            if self.spec is not None:
+                raise ValueError("multi_modal_data: speculative decoding does not take images")
+            return ids, state
+        if not data:
+            return None
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            got = sorted(data) if isinstance(data, dict) else data
+            raise ValueError(f"multi_modal_data: only 'image' is supported, got {got!r}")
+        if self.mm_processor is None:
+            raise ValueError("multi_modal_data: the model has no vision tower (config.json has no vision_config)")
+        if self.spec is not None:
+            raise ValueError("multi_modal_data: speculative decoding does not take images")
+        images = data["image"]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return None
+        return self.mm_processor.prepare(ids, images)
 
     def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -294,7 +333,7 @@ class LLMEngine:
             return self.spec.launch(self, sched, mixed_graphs)
         n_ctx = self.model_config.ngram_size - 1
         prev = self._inflight
-        chunks, spans = [], []
+        chunks, spans, multimodal = [], [], False
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
@@ -312,13 +351,18 @@ class LLMEngine:
                 logits_from=first - start,
                 pending_row=pending_row,
             ))
+            if req.mm is not None:
+                chunks[-1].mm, chunks[-1].mm_features = req.mm, self._image_features(req, start, end)
+                multimodal = True
             spans.append((req, start, end, first))
         pending_ids = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
-        logits = self.runner.execute(chunks, pending_ids, mixed_graphs)
+        logits = self.runner.execute(chunks, pending_ids, mixed_graphs, multimodal=multimodal)
         row, sample_rows, sample_reqs, keep_logits = 0, [], [], False
         for req, start, end, first in spans:
             keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1
             req.num_computed_tokens = end
+            if req.mm is not None:
+                req.mm.release_consumed(end)
             if end == req.num_tokens_with_pending:
                 sample_rows.append(row + end - first - 1)
                 sample_reqs.append(req)
@@ -339,6 +383,24 @@ class LLMEngine:
                 req.num_pending += 1
         return _Launched(spans, logits if keep_logits else None, sample_reqs, sampled,
                          {r.request_id: i for i, r in enumerate(sample_reqs)}, to_sample)
+
+    def _image_features(self, req: Request, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """(first row within the chunk, features) of the image tokens among positions [start, end) of `req`; the
+        vision tower runs once for the images not encoded yet (kept until the prefill has consumed them)."""
+        mm = req.mm
+        wanted = mm.images_in(start, end)
+        missing = [i for i in wanted if i not in mm.features]
+        if missing:
+            with torch.inference_mode():
+                encoded = self.model.encode_images([(mm.images[i].pixel_values, mm.images[i].grid_thw)
+                                                    for i in missing])
+            mm.features.update(zip(missing, encoded))
+        out = []
+        for i in wanted:
+            image = mm.images[i]
+            lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+            out.append((lo - start, mm.features[i][lo - image.offset: hi - image.offset]))
+        return out
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], constrained: list[int]) -> SampledBatch:
         """Samples one row per request, the `constrained` rows under their grammar's mask."""

@@ -253,6 +253,9 @@ class Request:
     spare_slots: list[int] = field(default_factory=list)
     # the xgrammar GrammarMatcher of a structured-output request: it has accepted every id in output_token_ids
     grammar: Any = None
+    # a prompt with images: their inputs, the prompt's M-RoPE positions and the features not yet consumed
+    # (multimodal.MultiModalState)
+    mm: Any = None
     max_tokens: int = 16  # resolved against max_model_len at admission
     # outputs
     logprobs: list[dict[int, Logprob]] | None = None

@@ -26,7 +26,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None,
-                mixed_graphs: bool = True, return_streams: bool = False) -> torch.Tensor | tuple:
+                mixed_graphs: bool = True, return_streams: bool = False,
+                multimodal: bool = False) -> torch.Tensor | tuple:
         """Runs one step; returns the logits (fp32) of the wanted rows, in the order of `chunks`. `pending_ids`:
         the previous step's sampled ids on the device, for chunks with a `pending_row`. `mixed_graphs=False` runs
         steps with prefill chunks eagerly even where a mixed-step graph would take them.
@@ -38,13 +39,16 @@ class ModelRunner:
 
         return_streams (speculative decoding, which orders its chunks decodes first): also return every row's
         multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), from the speculative graphs
-        (cuda_graph.py; then a view of the graph's output, valid until the next step is launched) or eagerly."""
+        (cuda_graph.py; then a view of the graph's output, valid until the next step is launched) or eagerly.
+
+        multimodal: some chunk has images (RequestChunk.mm). Such steps run eagerly: the graphs' buffers hold
+        logical positions as the rotary positions and no image features."""
         if (self.graphs is not None and return_streams == bool(self.graphs.speculative)
-                and self.graphs.can_run(chunks, mixed=mixed_graphs)):
+                and not multimodal and self.graphs.can_run(chunks, mixed=mixed_graphs)):
             return self.graphs.execute(chunks, pending_ids)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # decodes first
         ordered = [chunks[i] for i in order]
-        layout = self.builder.build(ordered)
+        layout = self.builder.build(ordered, multimodal)
         meta = layout.to_metadata(self.device)
         fill_pending(meta.input_ids, layout.pending, pending_ids)
         if return_streams:

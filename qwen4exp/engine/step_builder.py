@@ -17,6 +17,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model import StepMetadata
+from ..multimodal import MultiModalState
 
 
 @dataclass
@@ -35,6 +36,10 @@ class RequestChunk:
     # speculative verification (token_ids: the last sampled token, then drafts): the slots that receive the
     # recurrent states after rows 0 .. len(token_ids)-2 (model/metadata.py); None for any other chunk
     state_token_slots: list[int] | None = None
+    # a request with images: its MultiModalState (M-RoPE positions of every logical position), and the image
+    # tokens of this chunk as (first row within token_ids, the vision tower's features [rows, H] for them)
+    mm: MultiModalState | None = None
+    mm_features: list[tuple[int, torch.Tensor]] | None = None
 
 
 def to_device(values, device, dtype=None) -> torch.Tensor:
@@ -87,6 +92,12 @@ class StepLayout:
     # state_token_slots [T] the slot of each row's state (-1: none); None without them
     num_verify_reqs: int = 0
     state_token_slots: np.ndarray | None = None
+    # steps with a request with images: the rotary positions [3, T] and block positions [3, NB] (M-RoPE), and the
+    # image token rows [K] with their features [K, H]; None in other steps (rotary positions = logical positions)
+    rope_positions: np.ndarray | None = None
+    rope_block_positions: np.ndarray | None = None
+    mm_rows: np.ndarray | None = None
+    mm_features: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -106,9 +117,10 @@ class StepLayout:
             return host_to_device(array, device)
 
         positions = dev(self.positions)
+        rope = positions if self.rope_positions is None else dev(self.rope_positions)
         return StepMetadata(
             input_ids=dev(self.input_ids),
-            positions=positions,
+            positions=rope,
             query_start_loc=dev(np.asarray(self.query_start_loc, dtype=np.int32)),
             context_lens=dev(np.asarray(self.context_lens, dtype=np.int32)),
             block_tables=dev(self.block_tables),
@@ -118,7 +130,8 @@ class StepLayout:
             logits_indices=dev(self.logits_indices),
             new_block_token_slots=dev(self.new_block_token_slots),
             new_block_slots=dev(self.new_block_slots),
-            new_block_positions=dev(self.new_block_positions),
+            new_block_positions=dev(self.new_block_positions if self.rope_block_positions is None
+                                    else self.rope_block_positions),
             token_req=dev(self.token_req),
             token_pos=positions,
             token_local=dev(self.token_local),
@@ -133,6 +146,8 @@ class StepLayout:
             num_verify_reqs=self.num_verify_reqs,
             state_token_slots=None if self.state_token_slots is None else dev(self.state_token_slots),
             state_token_slots_cpu=None if self.state_token_slots is None else self.state_token_slots.tolist(),
+            mm_rows=None if self.mm_rows is None else dev(self.mm_rows),
+            mm_features=None if self.mm_features is None else self.mm_features.to(device, non_blocking=True),
         )
 
 
@@ -147,7 +162,8 @@ class StepBuilder:
         self.n_ctx = max(config.ngram_size - 1, 0)
         self.eos = config.eos_token_id if config.eos_token_id is not None else 0
 
-    def build(self, chunks: list[RequestChunk]) -> StepLayout:
+    def build(self, chunks: list[RequestChunk], multimodal: bool = False) -> StepLayout:
+        """multimodal: some chunk has images (RequestChunk.mm), which its caller knows from building the chunks."""
         ps, C, n_ctx = self.page_size, self.C, self.n_ctx
         R = len(chunks)
         lengths = [len(c.token_ids) for c in chunks]
@@ -217,7 +233,7 @@ class StepBuilder:
                 assert len(ts) == lengths[r] - 1
                 token_slots[qsl[r]: qsl[r] + len(ts)] = ts
 
-        return StepLayout(
+        layout = StepLayout(
             query_start_loc=qsl,
             context_lens=ctx,
             state_slots=[c.state_slot for c in chunks],
@@ -239,3 +255,29 @@ class StepBuilder:
             num_verify_reqs=num_verify,
             state_token_slots=token_slots,
         )
+        if multimodal:
+            self._add_multimodal(layout, chunks)
+        return layout
+
+    @staticmethod
+    def _add_multimodal(layout: StepLayout, chunks: list[RequestChunk]) -> None:
+        """M-RoPE positions of the step's tokens and completed blocks, and its image tokens' features."""
+        rope = np.broadcast_to(layout.positions, (3, layout.num_tokens)).copy()
+        block_rope = np.broadcast_to(layout.new_block_positions, (3, len(layout.new_block_positions))).copy()
+        block_req = layout.token_req[layout.new_block_rows]
+        rows, features = [], []
+        for r, c in enumerate(chunks):
+            if c.mm is None:
+                continue
+            start, end = layout.query_start_loc[r], layout.query_start_loc[r + 1]
+            rope[:, start:end] = c.mm.rope_positions(layout.positions[start:end])
+            mine = block_req == r
+            if mine.any():
+                block_rope[:, mine] = c.mm.rope_positions(layout.new_block_positions[mine])
+            for first, f in c.mm_features or ():
+                rows.append(np.arange(start + first, start + first + f.shape[0]))
+                features.append(f)
+        layout.rope_positions, layout.rope_block_positions = rope, block_rope
+        if features:
+            layout.mm_rows = np.concatenate(rows)
+            layout.mm_features = torch.cat(features)

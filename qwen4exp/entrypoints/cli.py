@@ -19,8 +19,9 @@ from .tool_parsers import TOOL_PARSERS
 def _make_random(args) -> None:
     from ..weights.random_checkpoint import make_random
 
-    make_random(args.dir, args.preset, dtype=args.dtype, seed=args.seed, quantization=args.quantization)
-    kind = " fp8" if args.quantization else ""
+    make_random(args.dir, args.preset, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
+                vision=args.vision)
+    kind = (" fp8" if args.quantization else "") + (" vision-language" if args.vision else "")
     print(f"wrote a random{kind} {args.preset} checkpoint to {args.dir}")
 
 
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--quantization", default=None, choices=["fp8"],
                     help="write the released FP8 layout: projections and experts as block-scaled e4m3 with their "
                          "weight_scale_inv, the n-gram table in fp8 with its weight_scale")
+    mr.add_argument("--vision", action="store_true",
+                    help="the multimodal layout: a vision tower (model.visual.*, small for tiny and small, the "
+                         "released widths otherwise), the text model under model.language_model.*, the vision "
+                         "tokens and a preprocessor_config.json")
     mr.set_defaults(func=_make_random)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")

@@ -9,21 +9,26 @@ from dataclasses import fields
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
 from ..engine.request import RequestOutput, SamplingParams
-from .protocol import ChatCompletionTool, ChatMessage
+from .protocol import ChatCompletionTool, ChatMessage, image_urls
 
 
 class LLM:
     """`LLM(model, **engine_options)`: every EngineConfig field is a keyword (`dtype`, `device`, `max_model_len`,
-    ...). `weights` (an iterator of (name, tensor)), `tokenizer` and `model_config` hand the engine a model held in
-    memory instead of reading it from `model`."""
+    ...). `weights` (an iterator of (name, tensor)), `tokenizer`, `model_config` and `image_processor` (a
+    transformers image processor) hand the engine a model held in memory instead of reading it from `model`.
 
-    def __init__(self, model: str | None = None, *, weights=None, tokenizer=None, model_config=None, **kwargs):
+    A prompt with images is vLLM's `{"prompt": text, "multi_modal_data": {"image": image or [images]}}` (an image:
+    a PIL image, bytes, a path or a URL), the text holding one `<|vision_start|><|image_pad|><|vision_end|>` per
+    image."""
+
+    def __init__(self, model: str | None = None, *, weights=None, tokenizer=None, model_config=None,
+                 image_processor=None, **kwargs):
         unknown = sorted(set(kwargs) - {f.name for f in fields(EngineConfig)})
         if unknown:
             names = ", ".join(repr(n) for n in unknown)
             raise TypeError(f"LLM() got unexpected keyword argument{'s' * (len(unknown) > 1)} {names}")
         self.llm_engine = LLMEngine(model, EngineConfig(**kwargs), weights=weights, tokenizer=tokenizer,
-                                    model_config=model_config)
+                                    model_config=model_config, image_processor=image_processor)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -62,19 +67,27 @@ class LLM:
              chat_template: str | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """`messages` is one conversation (list of {"role", "content", ...}) or a list of conversations, rendered
         as the server renders them: a content may be a list of text parts ({"type": "text", "text": ...}, joined by
-        newlines), an assistant's `tool_calls`, a tool's `tool_call_id`, `reasoning`. `tools` ({"type": "function",
+        newlines) and, for a model with a vision tower, image parts ({"type": "image_url", "image_url": {"url": ...}}),
+        an assistant's `tool_calls`, a tool's `tool_call_id`, `reasoning`. `tools` ({"type": "function",
         "function": {name, description, parameters}}) go to the template; `chat_template` replaces the tokenizer's.
         The outputs are the model's raw text, calls included (as vLLM's LLM.chat)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         tools = [ChatCompletionTool.model_validate(t).for_template() for t in tools] if tools else None
-        prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(
-                [ChatMessage.model_validate(m).for_template() for m in conv], tools=tools,
-                chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=False, **(chat_template_kwargs or {}))}
-            for conv in conversations
-        ]
+        mm = self.llm_engine.mm_processor
+        prompts = []
+        for conv in conversations:
+            messages = [ChatMessage.model_validate(m) for m in conv]
+            ids = tok.apply_chat_template(
+                [m.for_template(mm is not None) for m in messages], tools=tools, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+                **(chat_template_kwargs or {}))
+            images = image_urls(messages) if mm is not None else []
+            if images:
+                ids, state = mm.prepare(ids, [url for url, _ in images], "messages", [f for _, f in images])
+                prompts.append({"prompt_token_ids": ids, "multi_modal_state": state})
+            else:
+                prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -240,7 +240,7 @@ class Formatter:
         last = req.messages[-1]
         if not req.echo or last.role != "assistant":
             return ""
-        return last.for_template().get("content") or ""
+        return last.for_template(images=True).get("content") or ""  # a text-only model refused images earlier
 
     def chat_logprobs(self, ids: list[int], entries: list, k: int, as_ids: bool = False) -> dict:
         """`bytes` are the token's UTF-8 bytes, also when `as_ids` writes the token as its id."""

@@ -20,6 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WrapValidator, model_validator
 
 from ..engine.request import MAX_BAD_WORDS, SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from ..multimodal import IMAGE_PLACEHOLDER
 
 logger = logging.getLogger("qwen4exp")
 
@@ -101,17 +102,41 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False
 
 
-def text_of_parts(parts: list, field: str) -> str:
+def text_of_parts(parts: list, field: str, images: bool = False) -> str:
     """A message's list of content parts as the text the template gets: the text parts joined by newlines (vLLM's
-    "string" content format). Any other part is a RequestError naming `field`: the model reads text only."""
+    "string" content format); with `images` (a model with a vision tower), each image_url part is the image's
+    placeholder `<|vision_start|><|image_pad|><|vision_end|>` in its place. Any other part is a RequestError
+    naming `field`."""
     texts = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
+        if images and kind == "image_url":
+            texts.append(IMAGE_PLACEHOLDER)
+            continue
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise RequestError(f"{field}: content part type {kind!r} is not supported (only 'text': the model reads "
-                               f"text only)", field)
+            supported = "'text' and 'image_url'" if images else "'text': the model reads text only"
+            raise RequestError(f"{field}: content part type {kind!r} is not supported (only {supported})", field)
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(url, field) of every image_url part of the messages, in order; a part without a URL string is a
+    RequestError naming its field."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.content, list):
+            continue
+        for j, part in enumerate(m.content):
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            field = f"messages[{i}].content[{j}].image_url"
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            if not isinstance(url, str) or not url:
+                raise RequestError(f"{field}: must be {{\"url\": \"...\"}} (a data:, http(s) or file URL)", field)
+            out.append((url, field))
+    return out
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -177,10 +202,12 @@ class ChatMessage(BaseModel):
     reasoning: str | None = None
     reasoning_content: str | None = None
 
-    def for_template(self) -> dict[str, Any]:
+    def for_template(self, images: bool = False) -> dict[str, Any]:
+        """The message as the chat template reads it; `images`: image_url parts become image placeholders (a model
+        with a vision tower), else they are refused."""
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            msg["content"] = text_of_parts(self.content, "messages")
+            msg["content"] = text_of_parts(self.content, "messages", images)
         elif self.content is None:  # an assistant's turn that only calls tools
             msg["content"] = ""
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content

@@ -12,14 +12,16 @@ Such an answer has no reasoning: the grammar holds from its first token.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
 from fastapi import Request
 
+from ..multimodal import ImageError
 from .async_engine import RequestStream
 from .openai_format import ChatParsing, usage
-from .protocol import ChatCompletionRequest
+from .protocol import ChatCompletionRequest, image_urls
 from .reasoning import REASONING_PARSERS
 from .serving_engine import (
     APIError,
@@ -68,6 +70,8 @@ class ServingChat(OpenAIServing):
         if parsing is not None or (self.tool_parser is not None and req.tools and req.tool_choice != "none"):
             # the parsers read tags that some tokenizers mark special (vLLM's parsers keep them too)
             params.skip_special_tokens = False
+        mm_processor = self.engine.engine.mm_processor
+        images = parse(_FIELDS, lambda: image_urls(req.messages)) if mm_processor is not None else []
         tools = req.tools
         if req.tool_choice == "none" and self.exclude_tools_when_tool_choice_none:
             tools = None
@@ -75,8 +79,13 @@ class ServingChat(OpenAIServing):
             req.messages, req.generation_prompt, req.chat_template, req.chat_template_kwargs,
             tools=[t.for_template() for t in tools or []] or None,
             add_special_tokens=req.add_special_tokens, truncate=truncate, with_text=bool(req.return_prompt_text),
-            continue_final_message=req.continue_final_message or None, documents=req.documents)
+            continue_final_message=req.continue_final_message or None, documents=req.documents,
+            images=mm_processor is not None)
         prompt_ids, prompt_text = rendered if req.return_prompt_text else (rendered, None)
+        prompt = prompt_ids
+        if images:
+            prompt_ids, state = await self._with_images(mm_processor, prompt_ids, images)
+            prompt = {"prompt_token_ids": prompt_ids, "multi_modal_state": state}
         if parsing is not None and parsing.reasoning is not None:
             parsing.in_reasoning = (parsing.reasoning.thinking(req.chat_template_kwargs)
                                     and parsing.reasoning.starts_in_reasoning(prompt_ids, self.reasoning_vocab))
@@ -88,7 +97,7 @@ class ServingChat(OpenAIServing):
         if params.bad_words:
             params.bad_words_token_ids = await self.bad_words_ids(params.bad_words)
         request_id, created = self.response_id("chatcmpl", raw, req.request_id), int(time.time())
-        streams = await self.add_all([prompt_ids], params, _FIELDS)
+        streams = await self.add_all([prompt], params, _FIELDS)
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": self.served_model_name}
         echo = self.fmt.chat_echo(req)
         as_ids = req.tokens_as_ids(self.return_tokens_as_token_ids)
@@ -109,6 +118,16 @@ class ServingChat(OpenAIServing):
         if prompt_text is not None:
             body["prompt_text"] = prompt_text
         return body
+
+    @staticmethod
+    async def _with_images(mm_processor, prompt_ids: list[int], images: list[tuple[str, str]]):
+        """(expanded ids, MultiModalState) of the rendered prompt: the images loaded and preprocessed in a thread
+        (off the event loop); a bad image is a 400 naming its content part."""
+        try:
+            return await asyncio.to_thread(mm_processor.prepare, prompt_ids, [url for url, _ in images], "messages",
+                                           [f for _, f in images])
+        except ImageError as e:
+            raise APIError(400, str(e), e.field) from None
 
     def _usage(self, out, parsing: ChatParsing | None) -> dict:
         """vLLM's usage; with --reasoning-parser also the count of reasoning tokens."""

@@ -261,14 +261,15 @@ class OpenAIServing:
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None,
                           kwargs: dict | None, *, tools: list[dict] | None = None,
                           add_special_tokens: bool = False, truncate: tuple[int, str] | None = None,
-                          with_text: bool = False, **template_vars):
+                          with_text: bool = False, images: bool = False, **template_vars):
         """The token ids of the conversation (and `tools`) as the chat template renders it (with the rendered text,
         as (ids, text), when `with_text`). `template_vars` (continue_final_message, documents) go to
-        the template over the request's chat_template_kwargs."""
+        the template over the request's chat_template_kwargs. `images`: image_url parts become image placeholders
+        (a model with a vision tower)."""
         template = self.template_for(template, kwargs)
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
         kwargs.update({k: v for k, v in template_vars.items() if v is not None})
-        conversation = parse({"messages"}, lambda: [m.for_template() for m in messages])
+        conversation = parse({"messages"}, lambda: [m.for_template(images) for m in messages])
         try:
             rendered = await self._pool("messages").render_chat(
                 conversation, add_generation_prompt, template, kwargs, self.max_prompt_chars, self.max_model_len,

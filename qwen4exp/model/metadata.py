@@ -76,7 +76,7 @@ def _unset(name: str) -> HostFieldUnset:
 @dataclass(eq=False)
 class StepMetadata:
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] (or [3, T] for M-RoPE) rotary positions
+    positions: torch.Tensor  # [T] (or [3, T] for M-RoPE) rotary positions; token_pos unless images moved them
     query_start_loc: torch.Tensor  # [R+1] int32, device
     context_lens: torch.Tensor  # [R] int32, tokens already cached per request
     block_tables: torch.Tensor  # [R, max_pages] int32 page ids of each request (attention caches)
@@ -87,7 +87,7 @@ class StepMetadata:
     # QSA blocks completed in this step (their compressed keys are computed and stored once):
     new_block_token_slots: torch.Tensor  # [NB, C] int64 flat cache rows of the block's C tokens
     new_block_slots: torch.Tensor  # [NB] int64 flat block-key rows
-    new_block_positions: torch.Tensor  # [NB] rotary position of each block's first token
+    new_block_positions: torch.Tensor  # [NB] (or [3, NB]) rotary position of each block's first token
     # Per-token layout on the device (vectorised fast paths; no host data, so CUDA-graph safe):
     token_req: torch.Tensor  # [T] int64 request index of each token
     token_pos: torch.Tensor  # [T] int64 logical position of each token in its request
@@ -113,6 +113,10 @@ class StepMetadata:
     num_verify_reqs: int = 0
     state_token_slots: torch.Tensor | None = None
     state_token_slots_cpu: list[int] | None = None
+    # image tokens: their rows [K] int64 and the vision tower's features [K, H] that replace their embeddings
+    # (None in steps without image tokens)
+    mm_rows: torch.Tensor | None = None
+    mm_features: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return (f"StepMetadata(num_reqs={self.num_reqs}, num_tokens={self.num_tokens}, "

@@ -69,6 +69,8 @@ class TextModel(nn.Module):
                 return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         x = self.embed_tokens(meta.input_ids)
+        if meta.mm_rows is not None:  # image tokens take the vision tower's features in place of their embedding
+            x = x.index_copy(0, meta.mm_rows, meta.mm_features.to(x.dtype))
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
         prefetch = None
         if c.ple_layer_ids:  # every PLE layer's rows are requested now, ahead of the layers that use them
@@ -96,6 +98,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if config.vision is not None:  # the checkpoint's `model.visual.*`
+            from .vision import VisionModel
+
+            self.model.visual = VisionModel(config.vision)
         self.mtp = None
         if mtp:
             from .mtp import MultiTokenPredictor  # built from this module's DecoderLayer
@@ -119,6 +125,21 @@ class Qwen4ExpForCausalLM(nn.Module):
         layer = step % len(self.mtp.layers)
         return self.mtp(streams, meta, cache.layers[self.config.num_hidden_layers + layer], layer,
                         self.model.embed_tokens, self.model.rotary_emb)
+
+    @property
+    def visual(self):
+        """The vision tower (model/vision.py), or None for a text-only checkpoint."""
+        return getattr(self.model, "visual", None)
+
+    def encode_images(self, items: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """The feature rows [t*h*w / merge^2, hidden] of each (pixel_values, grid_thw), in one tower pass."""
+        visual = self.visual
+        device = self.lm_head.weight.device
+        pixels = torch.cat([p for p, _ in items]).to(device, visual.dtype)
+        grids = [g for _, g in items]
+        features = visual(pixels, grids)
+        merge2 = visual.config.spatial_merge_size ** 2
+        return list(torch.split(features, [t * h * w // merge2 for t, h, w in grids]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, vocab] in fp32 (transformers rounds them to the model's dtype; see

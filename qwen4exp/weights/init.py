@@ -19,7 +19,14 @@ def fill_(name: str, t: torch.Tensor, generator: torch.Generator | None = None) 
     work = (t if t.dtype in (torch.float32, torch.float64)
             else torch.empty(t.shape, dtype=torch.float32, device=t.device))
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "A_log":
+    if "visual." in name:  # the vision tower: LayerNorms near 1, projections by fan-in
+        if "norm" in name and leaf == "weight":
+            work.normal_(1.0, 0.1, generator=g)
+        elif leaf == "bias" or "pos_embed" in name:
+            work.normal_(0.0, 0.1 if leaf == "bias" else 0.5, generator=g)
+        else:
+            work.normal_(0.0, 1.0 / math.sqrt(t[0].numel()), generator=g)
+    elif leaf == "A_log":
         work.uniform_(0.5, 8.0, generator=g).log_()
     elif leaf == "dt_bias":
         work.normal_(1.0, 0.1, generator=g)

@@ -2,9 +2,10 @@
 
 A checkpoint name, with `model.language_model.` (multimodal checkpoints) read as `model.` and `model.mtp.` as `mtp.`,
 is handled by the first entry of `RULES` whose pattern it matches:
-- skipped: `model.visual.*`, `hashstats_*`, `token_lookup` and the final mixers' unused `block_inject_weight`; the
-  MTP layers' `mtp.*` too (`SKIP_MTP`) unless the model was built with them (`load_model(..., mtp=True)`), when a
-  checkpoint without any is an error that says so;
+- skipped: `hashstats_*`, `token_lookup` and the final mixers' unused `block_inject_weight`; the vision tower's
+  `model.visual.*` for a config without `vision_config` (`SKIP_VISION`); the MTP layers' `mtp.*` (`SKIP_MTP`)
+  unless the model was built with them (`load_model(..., mtp=True)`), when a checkpoint without any is an error
+  that says so;
 - per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (and `.weight_scale_inv`): copied into expert e's rows of
   the stacked expert tensors (`EXPERT_PARTS`, `model.moe.Experts.load_expert_`); already stacked
   `experts.gate_up_proj` / `experts.down_proj` are model tensors;
@@ -69,7 +70,7 @@ _EXPERT = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj
                      r"\.(?P<leaf>weight|weight_scale_inv)$")
 # (rule, pattern): see the module docstring; the first match handles the tensor
 RULES: tuple[tuple[str, re.Pattern], ...] = (
-    ("skip", re.compile(r"^model\.visual\.|hashstats_|token_lookup|hyper_connection_mixer\.block_inject_weight|"
+    ("skip", re.compile(r"hashstats_|token_lookup|hyper_connection_mixer\.block_inject_weight|"
                         r"rotary_emb\.inv_freq")),
     ("expert", _EXPERT),
     ("table_scale", re.compile(r"^(?P<table>.*\.ngram_embedding)\.weight_scale$")),
@@ -77,8 +78,9 @@ RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("hash_buffer", re.compile(r"\.(layer_multipliers|ngram_heads_vocab_sizes|ngram_heads_offsets)$")),
     ("tensor", re.compile("")),
 )
-# the rule before RULES for a model without its MTP layers
+# the rules before RULES for a model without its MTP layers, and for one without a vision tower
 SKIP_MTP = ("skip", re.compile(r"^mtp\."))
+SKIP_VISION = ("skip", re.compile(r"^model\.visual\."))
 MTP = "mtp."  # the MTP layers' checkpoint names (normalised)
 # a per-expert projection -> the stacked parameter holding it
 EXPERT_PARTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
@@ -463,6 +465,8 @@ def load_weights(
     size. `table_scales` (table name -> scale) quantises rows arriving in another dtype for an fp8 table."""
     loading = _Loading(model, shard_rows, table_scales)
     rules = RULES if model.mtp is not None else (SKIP_MTP, *RULES)
+    if model.visual is None:
+        rules = (SKIP_VISION, *rules)
     for raw_name, tensor in weights:
         name = _normalise(raw_name)
         rule, match = next((rule, m) for rule, pattern in rules if (m := pattern.search(name)))

@@ -76,6 +76,36 @@ PRESETS: dict[str, dict] = {
 }
 PRESETS["flash-next"] = dict(PRESETS["flash-next-128e"], num_experts=512, ngram_vocab_size_base=20_000_000)
 
+# `--vision`: the vision tower (transformers' Qwen4ExpVisionConfig, out_hidden_size = the text width) and the image
+# processor's pixel bounds; presets not named here get the released widths
+VISION_PRESETS: dict[str, dict] = {
+    "tiny": dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, num_position_embeddings=64),
+    "small": dict(depth=4, hidden_size=128, num_heads=4, intermediate_size=256, num_position_embeddings=256),
+}
+RELEASED_VISION = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                       num_position_embeddings=2304)
+# shortest_edge / longest_edge are pixel counts; an image token covers 32 x 32 pixels (patch 16, merge 2)
+PROCESSOR_PIXELS = {"tiny": (1024, 64 * 1024), "small": (4096, 256 * 1024)}
+RELEASED_PIXELS = (65536, 16777216)
+
+
+def vision_files(preset: str, hidden_size: int, special: dict[str, int]) -> tuple[dict, dict]:
+    """(config.json's vision fields: vision_config and the token ids, preprocessor_config.json) of `preset`."""
+    vision = dict(RELEASED_VISION, **VISION_PRESETS.get(preset, {}))
+    vision.update(model_type="qwen4_exp_vision", hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden_size,
+                  rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    fields = {"vision_config": vision, "image_token_id": special["<|image_pad|>"],
+              "video_token_id": special["<|video_pad|>"], "vision_start_token_id": special["<|vision_start|>"],
+              "vision_end_token_id": special["<|vision_end|>"]}
+    low, high = PROCESSOR_PIXELS.get(preset, RELEASED_PIXELS)
+    processor = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+                 "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                 "size": {"shortest_edge": low, "longest_edge": high}}
+    return fields, processor
+
 
 def preset_config(preset: str, eos_token_id: int = 0, dtype: str = "bfloat16") -> dict:
     if preset not in PRESETS:
@@ -136,22 +166,38 @@ def unquantized_projections(model) -> list[str]:
 
 
 def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 0,
-                max_shard_bytes: int = 4 << 30, overrides: dict | None = None, quantization: str | None = None) -> str:
+                max_shard_bytes: int = 4 << 30, overrides: dict | None = None, quantization: str | None = None,
+                vision: bool = False) -> str:
     """`overrides` replaces config fields of the preset (e.g. a larger ngram_vocab_size_base). quantization: None,
-    or "fp8" for the released FP8 layout (see the module docstring)."""
+    or "fp8" for the released FP8 layout (see the module docstring). vision: the multimodal layout (config.json's
+    `qwen4_exp` wrapper with the text config under text_config, a vision tower `model.visual.*` kept in `dtype`, the
+    text model's tensors under `model.language_model.*`, the vision tokens, preprocessor_config.json)."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization: unknown value {quantization!r} (expected fp8)")
     os.makedirs(out_dir, exist_ok=True)
     tok_vocab = PRESETS.get(preset, {}).get("tokenizer_vocab", 1024)
-    special = build_tokenizer(out_dir, vocab_size=tok_vocab)
+    special = build_tokenizer(out_dir, vocab_size=tok_vocab, vision=vision)
     eos, im_end = special["<|endoftext|>"], special["<|im_end|>"]
     cfg = preset_config(preset, eos_token_id=eos, dtype=dtype) | (overrides or {})
     if quantization:
         cfg["quantization_config"] = QuantizationConfig().to_dict()
+    wrapper = None
+    if vision:
+        fields, processor = vision_files(preset, cfg["hidden_size"], special)
+        with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(processor, f, indent=1)
+        text = {k: v for k, v in cfg.items() if k not in ("architectures", "quantization_config")}
+        wrapper = {"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForConditionalGeneration"],
+                   "text_config": dict(text, model_type="qwen4_exp_text"), **fields, "eos_token_id": eos,
+                   "tie_word_embeddings": False, "dtype": dtype}
 
     def write_config() -> None:
+        out = cfg
+        if wrapper is not None:
+            out = dict(wrapper, **({"quantization_config": cfg["quantization_config"]}
+                                   if "quantization_config" in cfg else {}))
         with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
+            json.dump(out, f, indent=1)
 
     write_config()
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
@@ -210,5 +256,11 @@ def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 
         return wq
 
     by_name = {s[0]: s for s in specs}
-    write_sharded(out_dir, [(n, s, d) for n, s, d, _ in specs], produce, max_shard_bytes)
+    stored = {n: n for n, *_ in specs}
+    if vision:  # the released names: the text model under model.language_model.
+        stored = {n: "model.language_model." + n[len("model."):] if n.startswith("model.") and
+                  not n.startswith("model.visual.") else n for n in stored}
+    by_stored = {v: k for k, v in stored.items()}
+    write_sharded(out_dir, [(stored[n], s, d) for n, s, d, _ in specs], lambda name: produce(by_stored[name]),
+                  max_shard_bytes)
     return out_dir

@@ -6,6 +6,8 @@ import json
 import os
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# a vision-language checkpoint's too: an image is <|vision_start|><|image_pad|>...<|vision_end|>
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # one token each, as in Qwen3's vocabulary; not special, so detokenized text keeps them for the reasoning and
 # tool-call parsers
 ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -95,25 +97,27 @@ Sparse attention selects the most relevant blocks of the context and always keep
 """
 
 
-def build_tokenizer(out_dir: str, vocab_size: int = 1024, model_max_length: int = 262144) -> dict[str, int]:
+def build_tokenizer(out_dir: str, vocab_size: int = 1024, model_max_length: int = 262144,
+                    vision: bool = False) -> dict[str, int]:
     """Train a byte-level BPE on the built-in corpus; write tokenizer.json and tokenizer_config.json. The
     vocabulary, special and added tokens included, holds at most `vocab_size` tokens. Returns the special token
-    ids."""
+    ids (the VISION_TOKENS' too with `vision`)."""
+    special = SPECIAL_TOKENS + (VISION_TOKENS if vision else [])
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(ADDED_TOKENS),
+        vocab_size=vocab_size - len(special) - len(ADDED_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     tok.add_tokens(ADDED_TOKENS)  # before the special tokens: a full vocabulary keeps their ids at its end
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids = {t: tok.token_to_id(t) for t in special}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
