@@ -4,7 +4,8 @@ Rank 0 is the engine's own process: it schedules, samples and serves. Before eac
 chunks to the other ranks as one compact int64 buffer over the gloo control group (`StepChannel`), then the previous
 step's sampled ids when chunks read them from the device; every rank then runs the same forward on its shard of the
 model, and the shards meet in the model's collectives (`qwen4exp.distributed`). Workers keep no scheduler, sampler
-or tokenizer: they run `ModelRunner.execute` on what rank 0 sends, until it sends the stop message.
+or tokenizer: they take rank 0's engine and model configs when they join, then run `ModelRunner.execute` on what
+rank 0 sends, until it sends the stop message.
 
 The engine starts the workers of its node (torch.multiprocessing, spawn) and watches them: a worker that exits ends
 the engine's steps with a `WorkerDiedError` naming it (a step waiting in a collective on a dead rank fails when
@@ -16,6 +17,7 @@ node k runs ranks k * ranks_per_node onwards: node 0 the engine and its workers,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing.connection
 import os
@@ -94,6 +96,14 @@ class StepChannel:
         buf = torch.empty(int(size.item()), dtype=torch.long)
         self._broadcast(buf)
         return buf.tolist()
+
+
+def _share_configs(configs: list) -> list:
+    """Rank 0's [EngineConfig, ModelConfig] on every rank (the workers of other nodes were started with their own)."""
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(configs, src=0, group=distributed.state().control)
+    return configs
 
 
 def _broadcast_pending(pending_ids: torch.Tensor) -> None:
@@ -206,7 +216,7 @@ def start(config: EngineConfig, model_config: ModelConfig, model_dir: str | None
     processes = []
     for local in range(1, per_node):
         p = ctx.Process(target=_worker_main, name=f"qwen4exp-rank{local}", daemon=True,
-                        args=(local, local, init_method, config, model_config, model_dir, os.getpid()))
+                        args=(local, local, init_method, config, model_dir, os.getpid()))
         p.start()
         processes.append((local, p))
     logger.info("tensor parallel %d%s over %d node(s), ranks 0-%d here; n-gram tables %s", config.tensor_parallel_size,
@@ -216,25 +226,24 @@ def start(config: EngineConfig, model_config: ModelConfig, model_dir: str | None
     try:
         distributed.init(0, config.tensor_parallel_size, init_method, rank_device(config, device, 0),
                          config.enable_expert_parallel, config.ple_table_parallel == "rows")
+        _share_configs([config, model_config])
     except Exception:
         workers.stop(None, timeout_s=1.0)
         raise
     return workers
 
 
-def run_node_workers(config: EngineConfig, model_config: ModelConfig | None, model_dir: str | None) -> int:
-    """A node other than node 0: runs its ranks until rank 0 stops them; returns the first non-zero exit code."""
-    from ..config import load_model_config
-
+def run_node_workers(config: EngineConfig, model_dir: str | None) -> int:
+    """A node other than node 0: runs its ranks until rank 0 stops them (they run with rank 0's configs; `config`
+    gives the ranks and the device); returns the first non-zero exit code."""
     init_method, per_node, first, nnodes = _layout(config)
     if first == 0:
         raise RuntimeError("run_node_workers: node 0 runs the engine (NODE_RANK=0)")
-    model_config = model_config or load_model_config(model_dir)
     ctx = torch.multiprocessing.get_context("spawn")
     processes = []
     for local in range(per_node):
         p = ctx.Process(target=_worker_main, name=f"qwen4exp-rank{first + local}",
-                        args=(first + local, local, init_method, config, model_config, model_dir, os.getpid()))
+                        args=(first + local, local, init_method, config, model_dir, os.getpid()))
         p.start()
         processes.append(p)
     logger.info("node %d of %d: ranks %d-%d joined %s", first // per_node, nnodes, first, first + per_node - 1,
@@ -254,8 +263,8 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def _worker_main(rank: int, local_rank: int, init_method: str, config: EngineConfig, model_config: ModelConfig,
-                 model_dir: str | None, parent_pid: int) -> None:
+def _worker_main(rank: int, local_rank: int, init_method: str, config: EngineConfig, model_dir: str | None,
+                 parent_pid: int) -> None:
     from ..config import resolve_device
     from .engine import build_model_and_cache, resolve_dtype
 
@@ -263,8 +272,10 @@ def _worker_main(rank: int, local_rank: int, init_method: str, config: EngineCon
     device = rank_device(config, resolve_device(config.device), local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    distributed.init(rank, config.tensor_parallel_size, init_method, device, config.enable_expert_parallel,
-                     config.ple_table_parallel == "rows")
+    distributed.init(rank, config.tensor_parallel_size, init_method, device)
+    config, model_config = _share_configs([None, None])
+    distributed.set_state(dataclasses.replace(distributed.state(), expert_parallel=config.enable_expert_parallel,
+                                              ple_table_rows=config.ple_table_parallel == "rows"))
     torch.manual_seed(config.seed)
     dtype = resolve_dtype(config.dtype, model_config, device)
     config, _, cache_tensors, graphs, model = build_model_and_cache(model_dir, config, model_config, dtype, device)
