@@ -144,6 +144,7 @@ class Workers:
         self._failure: str | None = None
         self._stopping = False
         self._event = threading.Event()
+        self.threads: int | None = None  # this process's compute threads before the ranks shared the cores
         if processes:
             threading.Thread(target=self._watch, name="qwen4exp-worker-watch", daemon=True).start()
 
@@ -174,6 +175,8 @@ class Workers:
                 channel.send_stop()
             except RuntimeError:
                 pass
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         deadline = time.monotonic() + timeout_s
         for _, p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -216,7 +219,7 @@ def start(config: EngineConfig, model_config: ModelConfig, model_dir: str | None
     processes = []
     for local in range(1, per_node):
         p = ctx.Process(target=_worker_main, name=f"qwen4exp-rank{local}", daemon=True,
-                        args=(local, local, init_method, config, model_dir, os.getpid()))
+                        args=(local, local, init_method, config, model_dir, os.getpid(), per_node))
         p.start()
         processes.append((local, p))
     logger.info("tensor parallel %d%s over %d node(s), ranks 0-%d here; n-gram tables %s", config.tensor_parallel_size,
@@ -227,6 +230,7 @@ def start(config: EngineConfig, model_config: ModelConfig, model_dir: str | None
         distributed.init(0, config.tensor_parallel_size, init_method, rank_device(config, device, 0),
                          config.enable_expert_parallel, config.ple_table_parallel == "rows")
         _share_configs([config, model_config])
+        workers.threads = share_cpu_threads(device, per_node)
     except Exception:
         workers.stop(None, timeout_s=1.0)
         raise
@@ -243,7 +247,7 @@ def run_node_workers(config: EngineConfig, model_dir: str | None) -> int:
     processes = []
     for local in range(per_node):
         p = ctx.Process(target=_worker_main, name=f"qwen4exp-rank{first + local}",
-                        args=(first + local, local, init_method, config, model_dir, os.getpid()))
+                        args=(first + local, local, init_method, config, model_dir, os.getpid(), per_node))
         p.start()
         processes.append(p)
     logger.info("node %d of %d: ranks %d-%d joined %s", first // per_node, nnodes, first, first + per_node - 1,
@@ -263,8 +267,17 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+def share_cpu_threads(device: torch.device, ranks_here: int) -> int:
+    """On the CPU, the ranks of one machine share its cores: more compute threads than cores, each waiting for the
+    others at every parallel region, would make a step many times slower. Returns the previous thread count."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+    return threads
+
+
 def _worker_main(rank: int, local_rank: int, init_method: str, config: EngineConfig, model_dir: str | None,
-                 parent_pid: int) -> None:
+                 parent_pid: int, per_node: int) -> None:
     from ..config import resolve_device
     from .engine import build_model_and_cache, resolve_dtype
 
@@ -276,6 +289,7 @@ def _worker_main(rank: int, local_rank: int, init_method: str, config: EngineCon
     config, model_config = _share_configs([None, None])
     distributed.set_state(dataclasses.replace(distributed.state(), expert_parallel=config.enable_expert_parallel,
                                               ple_table_rows=config.ple_table_parallel == "rows"))
+    share_cpu_threads(device, per_node)
     torch.manual_seed(config.seed)
     dtype = resolve_dtype(config.dtype, model_config, device)
     config, _, cache_tensors, graphs, model = build_model_and_cache(model_dir, config, model_config, dtype, device)
