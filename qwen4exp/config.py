@@ -671,8 +671,6 @@ class EngineConfig:
             raise ConfigError("cuda_graph_sizes", f"must be a non-empty list of positive integers, got {sizes!r}")
         _check_generation_source(self.generation_config, self.override_generation_config)
         object.__setattr__(self, "speculative_config", _check_speculative_config(self.speculative_config))
-        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
-            raise ConfigError("speculative_config", "is not supported with tensor_parallel_size > 1")
         if self.device is not None:
             import torch
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import ConfigError
+
 # (dim, ((start, stop), ...)): the checkpoint tensor's slices along `dim` that a rank holds, concatenated in order
 Shard = tuple[int, tuple[tuple[int, int], ...]]
 
-PLE_TABLE_PARALLEL = ("replicated", "rows")
 # a model collective waiting longer than this means a rank is gone: the ranks run the same step, so none waits long
 # for another between two collectives (longer on CUDA, where ranks may compile or tune kernels at different speeds)
 COLLECTIVE_TIMEOUT_S = {"gloo": 20.0, "nccl": 120.0}
@@ -120,19 +121,9 @@ def split(n: int, what: str, field: str) -> tuple[int, int]:
     """This rank's equal part [start, stop) of n items; a ConfigError naming `field` unless the ranks divide n."""
     size = _state.world_size
     if n % size:
-        from .config import ConfigError
-
         raise ConfigError("tensor_parallel_size", f"{size} does not divide {field} ({n} {what})")
     part = n // size
     return _state.rank * part, (_state.rank + 1) * part
-
-
-def padded_split(n: int) -> tuple[int, int, int]:
-    """(start, stop, rows held) of this rank's part of n rows split into equal parts of ceil(n / world_size) rows;
-    the last part may hold fewer real rows than its size (the vocabulary)."""
-    part = -(-n // _state.world_size)
-    start = min(n, _state.rank * part)
-    return start, min(n, start + part), part
 
 
 def rows(*ranges: tuple[int, int]) -> Shard:
@@ -152,30 +143,22 @@ def take(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def shard_shape(shape: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
-    if shard is None:
-        return tuple(shape)
-    dim, ranges = shard
-    out = list(shape)
-    out[dim] = sum(b - a for a, b in ranges)
-    return tuple(out)
-
-
-def scale_shard(shard: Shard | None, block: int, weight_dims: int, full: tuple[int, ...]) -> Shard | None:
-    """The block scales' shard of a weight shard (each range of whole blocks; the last may end with the weight)."""
+def scale_shard(shard: Shard | None, block: int, scale_shape: tuple[int, ...]) -> Shard | None:
+    """The part of a weight's block scales (`scale_shape`) that goes with the weight's part `shard`: whole blocks
+    only, so a ConfigError unless each range starts on a block and ends on one or at the weight's end."""
     if shard is None:
         return None
     dim, ranges = shard
-    if dim < len(full) - 2:  # a leading (expert) dimension: scales are indexed like the weights
+    if dim < len(scale_shape) - 2:  # a leading (expert) dimension: scales are indexed like the weights
         return shard
     out = []
     for a, b in ranges:
-        if a % block or (b % block and b != full[dim]):
-            from .config import ConfigError
-
-            raise ConfigError("tensor_parallel_size", f"an fp8 weight's part [{a}, {b}) along dim {dim} does not "
-                                                      f"fall on {block}-wide scale blocks")
-        out.append((a // block, -(-b // block)))
+        stop = -(-b // block)
+        if a % block or (b % block and stop != scale_shape[dim]):
+            raise ConfigError("tensor_parallel_size", f"a rank's part [{a}, {b}) of an fp8 weight along dim {dim} "
+                                                  f"splits its {block}-wide scale blocks (expert parallel keeps "
+                                                  f"experts whole)")
+        out.append((a // block, stop))
     return dim, tuple(out)
 
 
@@ -185,8 +168,6 @@ def rendezvous_from_env(world_size: int) -> tuple[str, int, int] | None:
     nnodes = int(os.environ.get("NNODES", "1"))
     if nnodes <= 1:
         return None
-    from .config import ConfigError
-
     if world_size % nnodes:
         raise ConfigError("tensor_parallel_size", f"{world_size} ranks do not divide over NNODES={nnodes} nodes")
     node_rank = int(os.environ.get("NODE_RANK", "0"))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import (
+    ConfigError,
     EngineConfig,
     ModelConfig,
     default_max_num_batched_tokens,
@@ -100,6 +101,8 @@ class LLMEngine:
 
             if weights is not None:
                 raise ValueError("weights: a model split over ranks is read by each rank from the checkpoint files")
+            if self.config.speculative_config is not None:
+                raise ConfigError("speculative_config", "is not supported with tensor_parallel_size > 1")
             self.workers = workers.start(self.config, mc, model, self.device)
         try:
             self.config, self.cache, cache_tensors, graphs, self.model = build_model_and_cache(

@@ -115,7 +115,7 @@ def _broadcast_pending(pending_ids: torch.Tensor) -> None:
 class DriverRunner(ModelRunner):
     """Rank 0's runner: sends each step to the workers, then runs its own shard."""
 
-    def __init__(self, *args, workers: "Workers", **kwargs):
+    def __init__(self, *args, workers: Workers, **kwargs):
         super().__init__(*args, **kwargs)
         self.workers = workers
         self.channel = StepChannel()

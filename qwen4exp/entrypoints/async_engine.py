@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from ..engine.engine import LLMEngine
 from ..engine.metrics import StatsLogger
-from ..engine.workers import WorkerDiedError
 from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
+from ..engine.workers import WorkerDiedError
 
 logger = logging.getLogger("qwen4exp")
 

@@ -431,15 +431,15 @@ def run_server(args) -> None:
 
     # wrong flags, a wrong template path and a port in use fail before the model loads
     config = engine_config_from_args(args)
-    if config.tensor_parallel_size > 1 and (env := distributed.rendezvous_from_env(config.tensor_parallel_size)):
-        if env[2] > 0:
-            from ..engine.workers import run_node_workers
-            from .default_model import resolve_model
+    env = distributed.rendezvous_from_env(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+    if env is not None and env[2] > 0:
+        from ..engine.workers import run_node_workers
+        from .default_model import resolve_model
 
-            code = run_node_workers(config, resolve_model(args.model))
-            if code:
-                raise WorkerDiedError(f"a rank of node {env[2]} exited with code {code}")
-            return
+        code = run_node_workers(config, resolve_model(args.model))
+        if code:
+            raise WorkerDiedError(f"a rank of node {env[2]} exited with code {code}")
+        return
     chat_template = load_chat_template(args.chat_template)
     check_parser_options(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice)
     stats_interval = log_stats_interval()

@@ -9,8 +9,12 @@ import os
 import struct
 import warnings
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..distributed import Shard
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
            torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
@@ -121,7 +125,7 @@ def _read_buffer(nbytes: int) -> torch.Tensor:
 
 
 def iterate_files(files: list[str], only: Callable[[str], bool] | None = None,
-                  parts: Callable[[str, tuple[int, ...]], "Shard | None | bool"] | None = None,
+                  parts: Callable[[str, tuple[int, ...]], Shard | None | bool] | None = None,
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (name, tensor) pairs in file order, one tensor in memory at a time (those `only` accepts, if given).
 
