@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import distributed
 from ..config import (
     ConfigError,
     EngineConfig,
@@ -42,6 +43,7 @@ from .spec_decode import SpecDecoder, SpecStep
 from .step_builder import RequestChunk, to_device
 from .structured_output import StructuredOutputs
 from .warmup import warm_up
+from .workers import DriverRunner, start_workers
 
 logger = logging.getLogger("qwen4exp")
 
@@ -97,13 +99,11 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, mc, self.device)
         self.workers = None  # the other ranks' processes (engine/workers.py) when the model is split over several
         if self.config.tensor_parallel_size > 1:
-            from . import workers
-
             if weights is not None:
                 raise ValueError("weights: a model split over ranks is read by each rank from the checkpoint files")
             if self.config.speculative_config is not None:
                 raise ConfigError("speculative_config", "is not supported with tensor_parallel_size > 1")
-            self.workers = workers.start(self.config, mc, model, self.device)
+            self.workers = start_workers(self.config, mc, model, self.device)
         try:
             self.config, self.cache, cache_tensors, graphs, self.model = build_model_and_cache(
                 model, self.config, mc, self.dtype, self.device, weights)
@@ -115,8 +115,8 @@ class LLMEngine:
         if self.workers is None:
             self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
         else:
-            self.runner = workers.DriverRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs,
-                                               workers=self.workers)
+            self.runner = DriverRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs,
+                                       workers=self.workers)
         self.sampler = Sampler(self.device, self.config.seed)
         self.spec = (SpecDecoder(self.config, self.model, cache_tensors, self.config.page_size, self.device,
                                  self.sampler) if speculative else None)
@@ -144,8 +144,6 @@ class LLMEngine:
         """Stops the other ranks' processes and leaves the process group (nothing to do in a single process)."""
         if self.workers is None:
             return
-        from .. import distributed
-
         self.workers.stop(getattr(getattr(self, "runner", None), "channel", None))
         self.workers = None
         distributed.shutdown()

@@ -209,12 +209,12 @@ def _layout(config: EngineConfig) -> tuple[str, int, int, int]:
     return init_method, per_node, node_rank * per_node, nnodes
 
 
-def start(config: EngineConfig, model_config: ModelConfig, model_dir: str | None,
+def start_workers(config: EngineConfig, model_config: ModelConfig, model_dir: str | None,
           device: torch.device) -> Workers:
     """Starts this node's other ranks and joins the rendezvous as rank 0 (node 0)."""
     init_method, per_node, first, nnodes = _layout(config)
     if first != 0:
-        raise RuntimeError("start: node 0 runs the engine; other nodes run run_node_workers")
+        raise RuntimeError("start_workers: node 0 runs the engine; other nodes run run_node_workers")
     ctx = torch.multiprocessing.get_context("spawn")
     processes = []
     for local in range(1, per_node):
@@ -243,6 +243,11 @@ def run_node_workers(config: EngineConfig, model_dir: str | None) -> int:
     init_method, per_node, first, nnodes = _layout(config)
     if first == 0:
         raise RuntimeError("run_node_workers: node 0 runs the engine (NODE_RANK=0)")
+    logger.info("node %d of %d: ranks %d-%d join %s", first // per_node, nnodes, first, first + per_node - 1,
+                init_method)
+    if per_node == 1:  # the node's one rank runs in this process
+        _worker_main(first, 0, init_method, config, model_dir, os.getppid(), per_node)
+        return 0
     ctx = torch.multiprocessing.get_context("spawn")
     processes = []
     for local in range(per_node):
@@ -250,8 +255,6 @@ def run_node_workers(config: EngineConfig, model_dir: str | None) -> int:
                         args=(first + local, local, init_method, config, model_dir, os.getpid(), per_node))
         p.start()
         processes.append(p)
-    logger.info("node %d of %d: ranks %d-%d joined %s", first // per_node, nnodes, first, first + per_node - 1,
-                init_method)
     codes = []
     for p in processes:
         p.join()
