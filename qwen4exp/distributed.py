@@ -86,6 +86,18 @@ def shutdown() -> None:
     set_state(ParallelState())
 
 
+def abort_collectives() -> None:
+    """Ends the model group's collectives now, on NCCL (a rank is gone): one waiting on the dead rank would hold its
+    stream until the timeout. Gloo's fail by themselves when the peer's connection closes."""
+    import torch.distributed as dist
+
+    if _state.world_size == 1 or dist.get_backend(_state.group) != "nccl":
+        return
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group(_state.group)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of every rank's `x`, in place (x itself with one rank)."""
     if _state.world_size > 1:

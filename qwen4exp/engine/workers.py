@@ -158,6 +158,10 @@ class Workers:
         self._failure = f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
         logger.error("%s: the engine cannot run another step", self._failure)
         self._event.set()
+        try:
+            distributed.abort_collectives()
+        except Exception:  # the failure is recorded; the collective times out instead
+            logger.exception("aborting the collectives failed")
 
     def failure(self, wait_s: float = 0.0) -> str | None:
         if self._failure is None and wait_s:
