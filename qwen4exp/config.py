@@ -713,6 +713,16 @@ class EngineConfig:
         None, "quantize the projections and experts of a checkpoint stored in bf16 on load; fp8 is block-scaled e4m3 "
               "(one scale per 128 x 128 weight block, activations quantized per token and 128 columns). An fp8 "
               "checkpoint loads as fp8 without it", QUANT_METHODS)
+    tensor_parallel_size: int = _option(
+        1, "devices the model is split over, one process each (torch.distributed: NCCL on GPUs, gloo on the CPU); "
+           "over several nodes with torchrun's MASTER_ADDR, MASTER_PORT, NNODES and NODE_RANK")
+    enable_expert_parallel: bool = _option(
+        False, "place the routed experts whole on the ranks, an equal share each, instead of splitting every expert "
+               "by its intermediate size")
+    ple_table_parallel: str = _option(
+        "replicated", "the PLE n-gram tables over several ranks: a copy on every rank, or each rank an equal range "
+                      "of every table's rows (the rows each rank holds are joined by one all-reduce)",
+        ("replicated", "rows"))
     speculative_config: dict | None = _option(
         None, "speculative decoding as vLLM's JSON object, '{\"method\": \"mtp\", \"num_speculative_tokens\": k}': "
               "the checkpoint's multi-token-prediction layer drafts k tokens (1 to 4) after each sampled one and one "
@@ -735,7 +745,7 @@ class EngineConfig:
         if self.max_model_len == -1:  # vLLM's "auto"
             object.__setattr__(self, "max_model_len", None)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "cpu_cache_bytes",
-                     "num_pages"):
+                     "num_pages", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_num_batched_tokens", "page_size", "num_pages"):
                 continue

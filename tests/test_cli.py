@@ -28,6 +28,7 @@ NON_DEFAULT_FLAGS = [
     "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8", "--quantization", "fp8", "--generation-config",
     "vllm", "--override-generation-config", '{"temperature": 0.5}',
     "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--limit-mm-per-prompt", '{"image": 3}',
+    "--tensor-parallel-size", "2", "--enable-expert-parallel", "--ple-table-parallel", "rows",
 ]
 
 
@@ -64,7 +65,8 @@ def test_engine_flags_reach_the_config(command):
         page_size=8, gpu_memory_utilization=0.5, cpu_cache_bytes=1000, num_pages=9, enforce_eager=True,
         async_scheduling=False, cuda_graph_sizes=[1, 2], seed=5, ple_table_device="cpu", ple_table_dtype="fp8",
         quantization="fp8", generation_config="vllm", override_generation_config={"temperature": 0.5},
-        speculative_config={"method": "mtp", "num_speculative_tokens": 2}, limit_mm_per_prompt={"image": 3})
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2}, limit_mm_per_prompt={"image": 3},
+        tensor_parallel_size=2, enable_expert_parallel=True, ple_table_parallel="rows")
     assert all(getattr(config, f.name) != f.default for f in fields(EngineConfig))
 
 

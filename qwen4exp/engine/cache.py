@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from .. import distributed
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..memory import DeviceMemory, MemoryPlan, plan_cache, weights_by_dtype
 from ..model.state import ModelCache, allocate_cache, page_bytes, slot_bytes
@@ -119,6 +120,8 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
         if device.type == "cuda" and "float8_e4m3fn" not in plan.weights:
             hints.append("--quantization fp8")
     plan_cache(plan, e.num_pages, tuple(hints), fit_max_model_len=e.max_model_len is None)
+    # every rank holds the same pages and slots: the fewest any rank's memory holds
+    plan.num_pages, plan.max_model_len = distributed.min_over_ranks([plan.num_pages, plan.max_model_len])
     allocator = CacheAllocator(plan.num_pages, plan.num_slots, page_size)
     tensors = allocate_cache(c, plan.num_pages, page_size, plan.num_slots, dtype, device, mtp)
     logger.info(

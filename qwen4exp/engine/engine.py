@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import distributed
 from ..config import (
+    ConfigError,
     EngineConfig,
     ModelConfig,
     default_max_num_batched_tokens,
@@ -42,6 +44,7 @@ from .spec_decode import SpecDecoder, SpecStep
 from .step_builder import RequestChunk, to_device
 from .structured_output import StructuredOutputs
 from .warmup import warm_up
+from .workers import DriverRunner, start_workers
 
 logger = logging.getLogger("qwen4exp")
 
@@ -98,38 +101,26 @@ class LLMEngine:
                 self.config, max_num_batched_tokens=default_max_num_batched_tokens(self.device, server=False))
             logger.info("max_num_batched_tokens=%d (this device's default)", self.config.max_num_batched_tokens)
         self.dtype = resolve_dtype(self.config.dtype, mc, self.device)
-        torch.manual_seed(self.config.seed)
-        self.model = load_model(mc, model, self.dtype, self.device, self.config.load_format, weights,
-                                seed=self.config.seed,
-                                ple_table_device=self.config.ple_table_device,
-                                ple_table_dtype=self.config.ple_table_dtype,
-                                gpu_memory_utilization=self.config.gpu_memory_utilization,
-                                quantization=self.config.quantization,
-                                mtp=self.config.speculative_config is not None)
-        # the page and slot ids the scheduler hands out (self.cache), and the tensors they index (the runner's); the
-        # page size follows the model unless given
-        self.config = dataclasses.replace(self.config, page_size=resolve_page_size(mc, self.config.page_size))
-        self.cache, cache_tensors, max_model_len = allocate_engine_cache(mc, self.config, self.dtype, self.device,
-                                                                         self.model)
-        self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
+        self.workers = None  # the other ranks' processes (engine/workers.py) when the model is split over several
+        if self.config.tensor_parallel_size > 1:
+            if weights is not None:
+                raise ValueError("weights: a model split over ranks is read by each rank from the checkpoint files")
+            if self.config.speculative_config is not None:
+                raise ConfigError("speculative_config", "is not supported with tensor_parallel_size > 1")
+            self.workers = start_workers(self.config, mc, model, self.device)
+        try:
+            self.config, self.cache, cache_tensors, graphs, draft_graphs, self.model = build_model_and_cache(
+                model, self.config, mc, self.dtype, self.device, weights)
+        except BaseException:
+            self.shutdown()
+            raise
         self.scheduler = Scheduler(self.config, self.cache)
-        graphs = draft_graphs = None
         speculative = self.config.speculative_config is not None
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            from .cuda_graph import CUDAGraphRunner
-
-            def runner(**kw):
-                return CUDAGraphRunner(self.model, cache_tensors, self.config.page_size, self.config.max_model_len,
-                                       self.config.max_num_seqs, self.device, self.config.cuda_graph_sizes,
-                                       self.config.max_num_batched_tokens, self.config.num_speculative_tokens, **kw)
-
-            with _out_of_memory_as_error("capturing CUDA graphs", self.config):
-                graphs = runner()
-                graphs.capture()
-                if speculative:  # the draft layer's graphs reuse the target's pool: they never run at once
-                    draft_graphs = runner(draft=True, pool=graphs.pool)
-                    draft_graphs.capture()
-        self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
+        if self.workers is None:
+            self.runner = ModelRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs)
+        else:
+            self.runner = DriverRunner(self.model, cache_tensors, self.config.page_size, self.device, graphs,
+                                       workers=self.workers)
         self.sampler = Sampler(self.device, self.config.seed)
         self.spec = (SpecDecoder(self.config, self.model, cache_tensors, self.config.page_size, self.device,
                                  self.sampler, draft_graphs) if speculative else None)
@@ -158,6 +149,18 @@ class LLMEngine:
                         "(of %.1f GiB)", torch.cuda.max_memory_allocated(self.device) / 2**30,
                         torch.cuda.memory_reserved(self.device) / 2**30,
                         torch.cuda.get_device_properties(self.device).total_memory / 2**30)
+
+    def shutdown(self) -> None:
+        """Stops the other ranks' processes and leaves the process group (nothing to do in a single process)."""
+        if self.workers is None:
+            return
+        self.workers.stop(getattr(getattr(self, "runner", None), "channel", None))
+        self.workers = None
+        distributed.shutdown()
+
+    def worker_failure(self) -> str | None:
+        """Why a rank of the model stopped (the engine cannot step), or None."""
+        return self.workers.failure() if self.workers is not None else None
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -448,6 +451,42 @@ class LLMEngine:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.cache_usage.set(self.cache.usage)
+
+
+def build_model_and_cache(model_dir: str | None, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                          device, weights=None):
+    """This rank's model, its caches and CUDA graphs (every rank builds them alike). Returns (the config with its page
+    size and max_model_len resolved, the cache allocator, the cache tensors, the CUDAGraphRunner or None, the draft
+    layer's CUDAGraphRunner or None, the model)."""
+    torch.manual_seed(config.seed)
+    model = load_model(model_config, model_dir, dtype, device, config.load_format, weights,
+                       seed=config.seed,
+                       ple_table_device=config.ple_table_device,
+                       ple_table_dtype=config.ple_table_dtype,
+                       gpu_memory_utilization=config.gpu_memory_utilization,
+                       quantization=config.quantization,
+                       mtp=config.speculative_config is not None)
+    # the page and slot ids the scheduler hands out (the allocator), and the tensors they index (the runner's); the
+    # page size follows the model unless given
+    config = dataclasses.replace(config, page_size=resolve_page_size(model_config, config.page_size))
+    allocator, cache_tensors, max_model_len = allocate_engine_cache(model_config, config, dtype, device, model)
+    config = dataclasses.replace(config, max_model_len=max_model_len)
+    graphs = draft_graphs = None
+    if device.type == "cuda" and not config.enforce_eager:
+        from .cuda_graph import CUDAGraphRunner
+
+        def runner(**kw):
+            return CUDAGraphRunner(model, cache_tensors, config.page_size, config.max_model_len, config.max_num_seqs,
+                                   device, config.cuda_graph_sizes, config.max_num_batched_tokens,
+                                   config.num_speculative_tokens, **kw)
+
+        with _out_of_memory_as_error("capturing CUDA graphs", config):
+            graphs = runner()
+            graphs.capture()
+            if config.speculative_config is not None:  # the draft layer's reuse the target's pool: never run at once
+                draft_graphs = runner(draft=True, pool=graphs.pool)
+                draft_graphs.capture()
+    return config, allocator, cache_tensors, graphs, draft_graphs, model
 
 
 @contextlib.contextmanager

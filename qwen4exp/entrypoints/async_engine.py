@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..engine.engine import LLMEngine
 from ..engine.metrics import StatsLogger
 from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
+from ..engine.workers import WorkerDiedError
 
 logger = logging.getLogger("qwen4exp")
 
@@ -121,6 +122,7 @@ class AsyncEngine:
         self._stopping = False
         self._draining = False
         self._thread: threading.Thread | None = None
+        self._fatal: str | None = None  # why the engine can never step again (a rank of the model stopped)
 
     @property
     def tokenizer(self):
@@ -163,6 +165,8 @@ class AsyncEngine:
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve requests now, or None."""
+        if (fatal := self.fatal_error()) is not None:
+            return fatal
         if self._thread is None or not self._thread.is_alive():
             return "the engine loop is not running"
         if self._stopping or self._draining:
@@ -171,6 +175,10 @@ class AsyncEngine:
         if silent >= self.health_timeout_s:
             return f"the engine loop has not come back from a step for {silent:.0f} s"
         return None
+
+    def fatal_error(self) -> str | None:
+        """Why the engine can never step again (a worker process of the model is gone), or None."""
+        return self._fatal or self.engine.worker_failure()
 
     def drain(self) -> None:
         """Refuse new requests from now on; those already added go on."""
@@ -332,6 +340,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerDiedError as e:  # no later step can run: fail everything and stop the loop
+            logger.error("%s: the engine stops", e)
+            self._fatal = str(e)
+            self._fail_all(EngineDeadError(f"the engine stopped: {e}"))
+            self._stopping = True
+            return
         except Exception as e:
             # we cannot tell which request broke the batch, and a half-applied step leaves every scheduled request
             # in an unknown state: fail all in-flight requests so the engine is clean for the next ones

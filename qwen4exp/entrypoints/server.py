@@ -31,7 +31,9 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import distributed
 from ..config import ConfigError, EngineConfig, default_max_num_batched_tokens, resolve_device
+from ..engine.workers import WorkerDiedError
 from .async_engine import AsyncEngine
 from .protocol import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -385,8 +387,15 @@ async def serve(app: FastAPI, async_engine: AsyncEngine, sock: socket.socket, sh
         logger.info("%s: shutting down (in-flight requests get up to %g s)", name, shutdown_timeout)
         stop.set()
 
+    async def watch_workers() -> None:  # a model rank that stopped ends the server (its requests already failed)
+        while (fatal := async_engine.fatal_error()) is None:
+            await asyncio.sleep(0.5)
+        logger.error("%s: shutting down", fatal)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    watcher = asyncio.ensure_future(watch_workers())
     try:
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         stopping = asyncio.ensure_future(stop.wait())
@@ -398,6 +407,7 @@ async def serve(app: FastAPI, async_engine: AsyncEngine, sock: socket.socket, sh
             await _finish_or_abort(async_engine, shutdown_timeout)
         await serving
     finally:
+        watcher.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
 
@@ -413,12 +423,23 @@ async def _finish_or_abort(async_engine: AsyncEngine, timeout: float) -> None:
 
 def run_server(args) -> None:
     """Load the model from argparse `args` (`qwen4exp serve`, entrypoints/cli.py) and serve until SIGTERM or
-    SIGINT; returns once the engine is stopped."""
+    SIGINT; returns once the engine is stopped. A worker process of the model that stops ends the server with a
+    WorkerDiedError. On a node other than node 0 of a run over several nodes (NODE_RANK > 0), runs this node's ranks
+    of the model until node 0 stops them."""
     from ..engine.engine import LLMEngine
     from .default_model import resolve_model
 
     # wrong flags, a wrong template path and a port in use fail before the model loads
     config = engine_config_from_args(args)
+    env = distributed.rendezvous_from_env(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+    if env is not None and env[2] > 0:
+        from ..engine.workers import run_node_workers
+        from .default_model import resolve_model
+
+        code = run_node_workers(config, resolve_model(args.model))
+        if code:
+            raise WorkerDiedError(f"a rank of node {env[2]} exited with code {code}")
+        return
     chat_template = load_chat_template(args.chat_template)
     check_parser_options(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice)
     stats_interval = log_stats_interval()
@@ -446,6 +467,9 @@ def run_server(args) -> None:
             asyncio.run(serve(app, async_engine, sock, args.shutdown_timeout, args.uvicorn_log_level))
         finally:
             async_engine.shutdown()
+            llm_engine.shutdown()
+        if (fatal := async_engine.fatal_error()) is not None:
+            raise WorkerDiedError(fatal)
     finally:
         sock.close()
     logger.info("engine stopped")

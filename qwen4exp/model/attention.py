@@ -5,12 +5,17 @@ blocks (fp32 mean, rounded), normalised and rotated at the block's first positio
 computed once when the block completes and kept in the cache. A query scores every visible block with
 sum_h relu(q_h . k_b) / sqrt(Di), keeps the top budget/C blocks plus the incomplete tail, and the main attention is
 restricted to those tokens. Short contexts (at most budget/C complete blocks) are exactly dense.
+
+Split over ranks by query heads: each rank holds its query heads (with their gates), the key/value heads they read
+(split when there are at least as many as ranks, else the one its query heads share, held by several ranks) and the
+matching columns of o_proj, whose partial products meet in one all-reduce. The indexer is replicated: every rank
+selects the same blocks.
 """
 
 import torch
 from torch import nn
 
-from .. import ops
+from .. import distributed, ops
 from ..config import ModelConfig
 from .common import RMSNorm
 from .merged_linear import Linear, MergedLinear
@@ -50,15 +55,28 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.head_dim = c.head_dim
+        q0, q1 = distributed.split(c.num_attention_heads, "heads", "num_attention_heads")
+        kv0, kv1 = kv_heads(c)
+        self.num_heads, self.num_kv_heads = q1 - q0, kv1 - kv0  # this rank's
         self.scaling = self.head_dim**-0.5
         kv = self.num_kv_heads * self.head_dim
         parts = {"q_proj": self.num_heads * self.head_dim * 2, "k_proj": kv, "v_proj": kv}
         if config.qsa:
             parts["indexer.index_qk_proj"] = (c.indexer_n_heads + 1) * c.indexer_head_dim
         biased = ("q_proj", "k_proj", "v_proj") if c.attention_bias else ()
-        self.qkv_proj = MergedLinear(c.hidden_size, parts, bias_parts=biased, quantizable=True)
+        self.reduce = distributed.world_size() > 1
+        shards = {}
+        if self.reduce:
+            d = self.head_dim
+            shards = {"q_proj": distributed.rows((2 * q0 * d, 2 * q1 * d)),
+                      "k_proj": distributed.rows((kv0 * d, kv1 * d)), "v_proj": distributed.rows((kv0 * d, kv1 * d))}
+        self.qkv_proj = MergedLinear(c.hidden_size, parts, bias_parts=biased, quantizable=True, shards=shards)
         self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        # the bias joins the ranks' partial products once, on rank 0
+        self.o_bias = distributed.rank() == 0
+        if self.reduce:
+            self.o_proj.checkpoint_shards = {"weight": distributed.columns(q0 * self.head_dim, q1 * self.head_dim)}
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.indexer = QSAIndexer(config) if config.qsa else None
@@ -80,4 +98,25 @@ class Attention(nn.Module):
         out = ops.attention.paged_attention(q, cache.key, cache.value, meta, self.scaling, selected)
         # gate as the [T, heads, D] view it is: reshaping it to [T, heads*D] first would copy it (100 MB at 8k tokens)
         out = ops.attention.gate_output(out.reshape(T, self.num_heads, self.head_dim), gate).reshape(T, -1)
-        return ops.linear.output_linear(out, self.o_proj.weight, self.o_proj.bias, self.o_proj.weight_scale_inv)
+        if not self.reduce:
+            return ops.linear.output_linear(out, self.o_proj.weight, self.o_proj.bias, self.o_proj.weight_scale_inv)
+        if self.o_proj.bias is None:
+            out = ops.linear.output_linear(out, self.o_proj.weight, None, self.o_proj.weight_scale_inv)
+        else:  # every rank's product in one form: the one with a bias (rank 0's) has no partial-products form
+            out = ops.linear.linear(out, self.o_proj.weight, self.o_proj.bias if self.o_bias else None,
+                                    self.o_proj.weight_scale_inv)
+        return distributed.all_reduce(out)
+
+
+def kv_heads(config: ModelConfig) -> tuple[int, int]:
+    """The key/value heads [start, stop) this rank holds: its equal part, or with fewer heads than ranks the one
+    head its query heads read (ranks r * kv // world_size share it)."""
+    n, size = config.num_key_value_heads, distributed.world_size()
+    if n >= size:
+        return distributed.split(n, "heads", "num_key_value_heads")
+    if size % n:
+        from ..config import ConfigError
+
+        raise ConfigError("tensor_parallel_size", f"{size} is not a multiple of num_key_value_heads ({n})")
+    head = distributed.rank() * n // size
+    return head, head + 1

@@ -8,7 +8,8 @@ its parts' checkpoint rows one after another. Several small GEMMs become one lar
 A part is named as its checkpoint module, relative to the merged module's parent (`in_proj_z`,
 `indexer.index_qk_proj`); its checkpoint tensors are `<parent>.<part>.weight` (and `.bias` for the parts given a
 bias, `.weight_scale_inv` when it is fp8). `named_checkpoint_tensors` lists every parameter of a model under its
-checkpoint names, one entry per part.
+checkpoint names, one entry per part, with the part of the checkpoint tensor this rank holds (`distributed.Shard`:
+a module's `checkpoint_shards`, or a MergedLinear's `shards`) when the model is split over several ranks.
 
 Block-scaled fp8 (`ops.fp8`): a quantized weight is float8_e4m3fn with `weight_scale_inv`, one fp32 scale per
 128 x 128 block, as a quantized checkpoint stores it. The modules that can hold fp8 weights (`MergedLinear` parts
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..distributed import Shard
 from ..ops.fp8 import BLOCK, FP8
 
 # Rows of a model-dtype GEMM are padded to a multiple of ROW_ALIGN: an output row of 1409 bf16 values (the MoE router,
@@ -102,13 +104,15 @@ class MergedLinear(nn.Module):
     """Linear projections of the same input; `forward` returns the parts' outputs in order.
 
     parts: {part name: output rows}, in output order. bias_parts: the parts that have a bias (the merged bias is zero
-    elsewhere). quantizable: the parts that may be stored in fp8 (True: all), made fp8 by `use_fp8_`."""
+    elsewhere). quantizable: the parts that may be stored in fp8 (True: all), made fp8 by `use_fp8_`. shards: the
+    rows of a part's checkpoint tensor this rank holds (`distributed.Shard`), for the parts split over ranks."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias_parts: tuple[str, ...] = (),
-                 quantizable: bool | tuple[str, ...] = False):
+                 quantizable: bool | tuple[str, ...] = False, shards: dict[str, Shard] | None = None):
         super().__init__()
         self.in_features = in_features
         self.parts = dict(parts)
+        self.shards = dict(shards or {})
         self.part_names = tuple(parts)
         self.bias_parts = tuple(bias_parts)
         self.quantizable_parts = tuple(parts) if quantizable is True else tuple(quantizable or ())
@@ -179,6 +183,9 @@ class MergedLinear(nn.Module):
             if part in self.bias_parts:
                 yield f"{part}.bias", stack.bias.data[stack.part_rows[part]]
 
+    def part_shard(self, leaf: str) -> Shard | None:
+        return self.shards.get(leaf.rsplit(".", 1)[0])
+
     def parameter_name(self, leaf: str) -> str:
         """The parameter holding part tensor `leaf`, e.g. stacks.0.weight."""
         part, param = leaf.rsplit(".", 1)
@@ -210,6 +217,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("weight_scale_inv", None)
+        self.checkpoint_shards: dict[str, Shard] = {}  # the owner's, when this rank holds a part (see the module doc)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear.linear(x, self.weight, self.bias, scale=self.weight_scale_inv)
@@ -226,6 +234,9 @@ class Linear(nn.Linear):
     def part_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.named_parameters(recurse=False):
             yield name, p.data
+
+    def part_shard(self, leaf: str) -> Shard | None:
+        return self.checkpoint_shards.get(leaf.removesuffix("_scale_inv"))
 
     def parameter_name(self, leaf: str) -> str:
         return leaf
@@ -290,6 +301,8 @@ class CheckpointTensor:
     tensor: torch.Tensor
     module: nn.Module
     leaf: str | None = None  # the tensor within `module`, e.g. in_proj_z.weight
+    # the part of the checkpoint tensor this rank holds (None: all of it); a scale's entry has its weight's
+    shard: Shard | None = None
 
     def load_(self, tensor: torch.Tensor, checkpoint_name: str | None = None) -> bool:
         """Copy a checkpoint tensor in (named `checkpoint_name` in errors, by default this entry's name). Returns
@@ -322,12 +335,14 @@ def named_checkpoint_tensors(model: nn.Module) -> Iterator[CheckpointTensor]:
             owned += (prefix,)
             parent = _checkpoint_prefix(module_name, module)
             for leaf, view in module.part_tensors():
-                yield CheckpointTensor(parent + leaf, prefix + module.parameter_name(leaf), view, module, leaf)
+                yield CheckpointTensor(parent + leaf, prefix + module.parameter_name(leaf), view, module, leaf,
+                                       module.part_shard(leaf))
             continue
+        shards = getattr(module, "checkpoint_shards", {})
         for name, p in module.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                yield CheckpointTensor(prefix + name, prefix + name, p.data, module)
+                yield CheckpointTensor(prefix + name, prefix + name, p.data, module, shard=shards.get(name))
 
 
 def quantizable_weights(model: nn.Module) -> list[str]:

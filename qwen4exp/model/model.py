@@ -8,7 +8,7 @@ and experts may hold block-scaled fp8 weights (`model.merged_linear.use_fp8_`)."
 import torch
 from torch import nn
 
-from .. import ops
+from .. import distributed, ops
 from ..config import LINEAR, ModelConfig
 from .attention import Attention
 from .common import RotaryEmbedding
@@ -56,11 +56,32 @@ class DecoderLayer(nn.Module):
         return streams, (self.mlp(x), inject)
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """The token embedding; over several ranks each holds an equal range of the vocabulary's rows, looks up the
+    tokens in it (zeros for the others) and one all-reduce joins them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        start, stop = distributed.split(vocab_size, "rows", "vocab_size")
+        super().__init__(stop - start, hidden_size)
+        self.vocab_range = (start, stop)
+        self.split = distributed.world_size() > 1
+        if self.split:
+            self.checkpoint_shards = {"weight": distributed.rows(self.vocab_range)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return super().forward(ids)
+        local = ids - self.vocab_range[0]
+        here = (local >= 0) & (local < self.num_embeddings)
+        x = super().forward(torch.where(here, local, torch.zeros_like(local))) * here.unsqueeze(-1)
+        return distributed.all_reduce(x)
+
+
 class TextModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
         self.hyper_connection_mixer = GatedResidual(config, use_combine=False)
@@ -95,7 +116,12 @@ class Qwen4ExpForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # over several ranks each holds the vocabulary rows of its embedding range; the logits are gathered
+        vocab = self.model.embed_tokens.vocab_range
+        self.lm_head = nn.Linear(config.hidden_size, vocab[1] - vocab[0], bias=False)
+        self.gather_logits = distributed.world_size() > 1
+        if self.gather_logits:
+            self.lm_head.checkpoint_shards = {"weight": distributed.rows(vocab)}
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if config.vision is not None:  # the checkpoint's `model.visual.*`
@@ -144,4 +170,5 @@ class Qwen4ExpForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, vocab] in fp32 (transformers rounds them to the model's dtype; see
         ops.linear.fp32_out_linear for why we do not)."""
-        return ops.linear.fp32_out_linear(hidden, self.lm_head.weight)
+        logits = ops.linear.fp32_out_linear(hidden, self.lm_head.weight)
+        return distributed.all_gather(logits) if self.gather_logits else logits

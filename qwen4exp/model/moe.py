@@ -1,12 +1,19 @@
-"""Sparse MoE on every layer: softmax router, top-k (renormalised), SwiGLU experts, sigmoid-gated shared expert."""
+"""Sparse MoE on every layer: softmax router, top-k (renormalised), SwiGLU experts, sigmoid-gated shared expert.
+
+Over several ranks the router is replicated and the shared expert split by its intermediate size. The routed experts
+are split by intermediate size too (tensor parallel: every rank holds a slice of every expert), or placed whole, an
+equal range of experts per rank (expert parallel: a rank computes the pairs routed to its experts). Either way a
+rank's output is a partial sum over the block, and one all-reduce (the combine) joins them; every rank routes the
+same tokens, so the dispatch needs no collective of its own."""
 
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from .. import ops
+from .. import distributed, ops
 from ..config import ModelConfig
+from ..distributed import Shard
 from ..ops.fp8 import BLOCK, FP8
 from .merged_linear import (
     Linear,
@@ -40,6 +47,17 @@ class Experts(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        state = distributed.state()
+        # this rank's experts [e0, e1) and intermediate columns [i0, i1) of each (see the module docstring)
+        self.experts_range, self.columns = (0, e), (0, i)
+        if state.parallel and state.expert_parallel:
+            self.experts_range = distributed.split(e, "experts", "num_experts")
+        elif state.parallel:
+            self.columns = distributed.split(i, "columns", "moe_intermediate_size")
+        self.global_intermediate_size, self.global_num_experts = i, e
+        # expert parallel: the first expert of this rank, by which routed ids are shifted (None: every expert here)
+        self.first_expert = self.experts_range[0] if state.parallel and state.expert_parallel else None
+        e, i = self.experts_range[1] - self.experts_range[0], self.columns[1] - self.columns[0]
         self.num_experts, self.intermediate_size, self.hidden_size = e, i, h
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
@@ -47,6 +65,11 @@ class Experts(nn.Module):
         self.register_parameter("down_proj_scale_inv", None)
 
     def forward(self, x, topk_weights, topk_ids, shared_expert=None):
+        if self.first_expert is not None:  # pairs routed to other ranks' experts weigh 0 here
+            local = topk_ids - self.first_expert
+            here = (local >= 0) & (local < self.num_experts)
+            topk_weights = topk_weights * here
+            topk_ids = torch.where(here, local, torch.zeros_like(local))
         return ops.moe.moe_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, shared_expert,
                                    gate_up_scale=self.gate_up_proj_scale_inv, down_scale=self.down_proj_scale_inv)
 
@@ -77,6 +100,32 @@ class Experts(nn.Module):
 
     def parameter_name(self, leaf: str) -> str:
         return leaf
+
+    def part_shard(self, leaf: str) -> Shard | None:
+        """This rank's part of a stacked checkpoint tensor (transformers' [E, 2I, H] gate_up_proj, [E, H, I]
+        down_proj)."""
+        if self.first_expert is not None:
+            return 0, (self.experts_range,)
+        i0, i1 = self.columns
+        if (i0, i1) == (0, self.global_intermediate_size):
+            return None
+        if leaf.startswith("gate_up_proj"):
+            full = self.global_intermediate_size
+            return 1, ((i0, i1), (full + i0, full + i1))
+        return 2, ((i0, i1),)
+
+    def local_expert(self, expert: int) -> int | None:
+        """The row of checkpoint expert `expert` in the stacked tensors, None when another rank holds it."""
+        if not self.experts_range[0] <= expert < self.experts_range[1]:
+            return None
+        return expert - self.experts_range[0]
+
+    def expert_shard(self, proj: str) -> Shard | None:
+        """This rank's part of one expert's checkpoint projection (gate_proj, up_proj [I, H]; down_proj [H, I])."""
+        i0, i1 = self.columns
+        if (i0, i1) == (0, self.global_intermediate_size):
+            return None
+        return (1 if proj == "down_proj" else 0), ((i0, i1),)
 
     def expert_tensors(self, expert: int, proj: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight rows, scale rows or None) of one expert's gate_proj [I, H], up_proj [I, H] or down_proj [H, I]."""
@@ -133,14 +182,23 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        shared = config.shared_expert_intermediate_size
+        s0, s1 = distributed.split(config.shared_expert_intermediate_size, "columns",
+                                   "shared_expert_intermediate_size")
+        shared = s1 - s0  # this rank's
+        self.reduce = distributed.world_size() > 1
+        shards = {}
+        if self.reduce:
+            shards = {"shared_expert.gate_proj": distributed.rows((s0, s1)),
+                      "shared_expert.up_proj": distributed.rows((s0, s1))}
         # every projection of the block input: router logits [E], the shared expert's gate logit, gate and up
         self.in_proj = MergedLinear(config.hidden_size, {
             "gate": config.num_experts, "shared_expert_gate": 1,
             "shared_expert.gate_proj": shared, "shared_expert.up_proj": shared},
-            quantizable=("shared_expert.gate_proj", "shared_expert.up_proj"))
+            quantizable=("shared_expert.gate_proj", "shared_expert.up_proj"), shards=shards)
         self.experts = Experts(config)
         self.shared_expert = SharedExpert(config.hidden_size, shared)
+        if self.reduce:
+            self.shared_expert.down_proj.checkpoint_shards = {"weight": distributed.columns(s0, s1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits, shared_gate, gate, up = self.in_proj(x)
@@ -149,4 +207,5 @@ class SparseMoeBlock(nn.Module):
         shared = (gate, up, down.weight, shared_gate)
         if down.weight_scale_inv is not None:
             shared += (down.weight_scale_inv,)
-        return self.experts(x, weights, ids, shared_expert=shared)
+        out = self.experts(x, weights, ids, shared_expert=shared)
+        return distributed.all_reduce(out) if self.reduce else out

@@ -4,6 +4,10 @@ Each token's n-grams (orders 2..N, ending at the token, restarting after EOS) ar
 multiply-xor heads into prime-sized slices of one table; the concatenated rows give a key per stream and one shared
 value. The normalised streams gate the value (signed-sqrt dot product), and a dilated causal depthwise conv over
 the normalised gated values adds local context. The layer returns the residual update [T, hc*H].
+
+Over several ranks the layer is replicated. Its n-gram table is too, unless `--ple-table-parallel rows` splits each
+table's rows into equal ranges, one per rank: a rank gathers the rows it holds (zeros for the others) and one
+all-reduce joins them.
 """
 
 import math
@@ -11,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from .. import ops
+from .. import distributed, ops
 from ..config import ModelConfig
 from .common import RMSNorm
 from .merged_linear import MergedLinear
@@ -72,9 +76,14 @@ class NGramEmbedding(nn.Module):
                              persistent=False)
         self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long, device="cpu"),
                              persistent=False)
+        # this rank's rows [start, stop) of the table (all of them unless split over ranks)
+        self.row_range = (0, padded)
+        if distributed.world_size() > 1 and distributed.state().ple_table_rows:
+            self.row_range = distributed.split(padded, "rows", "the n-gram table's rows")
+        self.split_rows = self.row_range != (0, padded)
         # The table may live in host memory and be float8 (weights/ngram_table.py); its rows are multiplied by
         # `weight_scale` (1 unless quantised) when gathered.
-        self.ngram_embedding = nn.Embedding(padded, config.ple_embed_dim // heads)
+        self.ngram_embedding = nn.Embedding(self.row_range[1] - self.row_range[0], config.ple_embed_dim // heads)
         self.ngram_embedding.register_buffer("weight_scale", torch.ones((), device="cpu"), persistent=False)
 
     def ids(self, shifted: torch.Tensor) -> torch.Tensor:
@@ -85,9 +94,21 @@ class NGramEmbedding(nn.Module):
         )
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Concatenated head rows [T, ple_embed_dim] for ids [T, heads], dequantised to `dtype`."""
+        """Concatenated head rows [T, ple_embed_dim] for ids [T, heads], dequantised to `dtype`. A table split over
+        ranks gives the rows this rank holds and zeros for the others (`join` sums the ranks' parts)."""
         table = self.ngram_embedding
-        return ops.table_gather.gather_rows(table.weight, ids, table.weight_scale, dtype, out)
+        if not self.split_rows:
+            return ops.table_gather.gather_rows(table.weight, ids, table.weight_scale, dtype, out)
+        local = ids - self.row_range[0]
+        here = (local >= 0) & (local < table.weight.shape[0])
+        rows = ops.table_gather.gather_rows(table.weight, torch.where(here, local, torch.zeros_like(local)),
+                                            table.weight_scale, dtype, out)
+        rows.view(ids.shape[0], ids.shape[1], -1).mul_(here.unsqueeze(-1))
+        return rows
+
+    def join(self, rows: torch.Tensor) -> torch.Tensor:
+        """The whole rows from every rank's part (`rows`), on the stream that reads them."""
+        return distributed.all_reduce(rows) if self.split_rows else rows
 
 
 class NGramPrefetch:
@@ -101,6 +122,7 @@ class NGramPrefetch:
 
     def __init__(self, embeddings: dict[int, NGramEmbedding], shifted: torch.Tensor, dtype: torch.dtype):
         self._joined = True
+        self._embeddings = embeddings
         if not shifted.is_cuda:
             self._rows = {i: e.rows(e.ids(shifted), dtype) for i, e in embeddings.items()}
             return
@@ -119,7 +141,7 @@ class NGramPrefetch:
         if not self._joined:
             torch.cuda.current_stream(self._side.device).wait_stream(self._side)
             self._joined = True
-        return self._rows[layer]
+        return self._embeddings[layer].join(self._rows[layer])
 
 
 class PLELayer(nn.Module):

@@ -5,12 +5,14 @@ GDN layers: one state slot per running request, conv window [conv_dim, K-1] in t
 state [Hv, Dk, Dv] in fp32. PLE layers: a conv window [hc*H, (K-1)*ngram_size] per slot. Slot 0 is the null slot.
 With `mtp`, the MTP draft layers' attention caches follow the decoder layers' (`ModelCache.layers[num_hidden_layers
 + i]`), on the same pages: a request's page ids index every attention layer's cache, the draft layers' included.
+Over several ranks each holds the caches of its heads (`rank_heads`): its key/value heads, its GDN heads.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from .. import distributed
 from ..config import INDEXED, ModelConfig
 
 
@@ -34,6 +36,26 @@ class ModelCache:
     ple: dict[int, torch.Tensor]  # layer index -> PLE conv windows [S, hc*H, L]
 
 
+@dataclass(frozen=True)
+class RankHeads:
+    kv_heads: int
+    gdn_conv_dim: int
+    gdn_value_heads: int
+
+
+def rank_heads(config: ModelConfig) -> RankHeads:
+    """The heads whose caches this rank holds (all of them in a single process)."""
+    c = config
+    if distributed.world_size() == 1:
+        return RankHeads(c.num_key_value_heads, c.gdn_conv_dim, c.linear_num_value_heads)
+    from .attention import kv_heads
+
+    kv0, kv1 = kv_heads(c)
+    size = distributed.world_size()
+    conv = (2 * c.linear_num_key_heads * c.linear_key_head_dim + c.gdn_value_dim) // size
+    return RankHeads(kv1 - kv0, conv, c.linear_num_value_heads // size)
+
+
 def num_attention_layers(config: ModelConfig, mtp: bool = False) -> int:
     """The attention layers whose caches live in pages: the indexed decoder layers, and with `mtp` the MTP layers."""
     return config.layer_types.count(INDEXED) + (config.mtp_num_hidden_layers if mtp else 0)
@@ -42,7 +64,7 @@ def num_attention_layers(config: ModelConfig, mtp: bool = False) -> int:
 def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype, mtp: bool = False) -> int:
     """Bytes of one page across all attention layers (the MTP layers' included with `mtp`)."""
     esize = torch.tensor([], dtype=dtype).element_size()
-    per_token = 2 * config.num_key_value_heads * config.head_dim
+    per_token = 2 * rank_heads(config).kv_heads * config.head_dim
     if config.qsa:
         per_token += config.indexer_head_dim * (1 + 1 / config.indexer_compress_ratio)
     return int(per_token * page_size * esize) * num_attention_layers(config, mtp)
@@ -51,9 +73,9 @@ def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype, mtp: boo
 def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one state slot across all GDN and PLE layers."""
     esize = torch.tensor([], dtype=dtype).element_size()
-    c = config
-    gdn = c.gdn_conv_dim * (c.linear_conv_kernel_dim - 1) * esize
-    gdn += c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    c, heads = config, rank_heads(config)
+    gdn = heads.gdn_conv_dim * (c.linear_conv_kernel_dim - 1) * esize
+    gdn += heads.gdn_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     ple = c.hc_count * c.hidden_size * c.ple_conv_state_len * esize
     return gdn * (c.num_hidden_layers - c.layer_types.count(INDEXED)) + ple * len(c.ple_layer_ids)
 
@@ -62,10 +84,10 @@ def allocate_cache(
     config: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device, mtp: bool = False
 ) -> ModelCache:
     """Every layer's cache tensors; with `mtp`, an attention cache per MTP layer after the decoder layers'."""
-    c = config
+    c, heads = config, rank_heads(config)
 
     def attention() -> AttentionCache:
-        kv = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
+        kv = (num_pages, page_size, heads.kv_heads, c.head_dim)
         index_key = block_key = None
         if c.qsa:
             index_key = torch.zeros(num_pages, page_size, c.indexer_head_dim, dtype=dtype, device=device)
@@ -82,9 +104,10 @@ def allocate_cache(
         if layer_type == INDEXED:
             layers.append(attention())
         else:
-            conv = torch.zeros(num_slots, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+            conv = torch.zeros(num_slots, heads.gdn_conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype,
+                               device=device)
             ssm = torch.zeros(
-                num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                num_slots, heads.gdn_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                 dtype=torch.float32, device=device,
             )
             layers.append(GDNState(conv, ssm))

@@ -18,6 +18,10 @@ is handled by the first entry of `RULES` whose pattern it matches:
 Tensors are copied into preallocated parameters one at a time; errors list every missing, unexpected and
 mis-shaped tensor by its checkpoint name.
 
+A model split over ranks (`qwen4exp.distributed`) holds a part of most tensors (`CheckpointTensor.shard`, per-expert
+parts from `Experts`, a range of n-gram table rows): each rank reads only the bytes of its parts from the files
+(`_Loading.part`) and skips the experts and table shards other ranks hold.
+
 Block-scaled fp8 (`ops.fp8`, the layout of `model.merged_linear`): a checkpoint weight stored as float8_e4m3fn comes
 with its scales `<weight>_scale_inv` (`x.weight_scale_inv`). The model is built with fp8 parameters for the
 checkpoint's fp8 weights it can hold in fp8 (`fp8_weights`, decided from the names before any tensor is read), or for
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from .. import ops
+from .. import distributed, ops
 from ..config import ModelConfig
 from ..memory import DeviceMemory, check_weights_fit
 from ..model import Qwen4ExpForCausalLM
@@ -49,6 +53,7 @@ from ..model.merged_linear import (
     use_fp8_,
 )
 from ..model.moe import Experts
+from ..model.ple import NGramEmbedding
 from .init import fill_, fill_fp8_
 from .ngram_table import (
     FP8,
@@ -199,8 +204,12 @@ class MissingMTPError(WeightLoadError):
 class _TableRows:
     """One n-gram table arriving whole or in row shards, possibly out of order."""
 
-    def __init__(self, name: str, dest: torch.Tensor, shard_rows: list[int] | None, scale: float | None):
+    def __init__(self, name: str, dest: torch.Tensor, shard_rows: list[int] | None, scale: float | None,
+                 row_range: tuple[int, int] | None = None):
+        """row_range: the table rows [start, stop) `dest` holds (all of them by default)."""
         self.name, self.dest, self.shard_rows, self.scale = name, dest, shard_rows, scale
+        self.row_range = row_range or (0, dest.shape[0])
+        self.total_rows = dest.shape[0] * (1 if row_range is None else distributed.world_size())
         self.seen: dict[int, int] = {}  # shard index -> rows
         self.pending: dict[int, torch.Tensor] = {}  # shards that came before shard 0 fixed the shard size
         self.fp8_source = False
@@ -222,12 +231,21 @@ class _TableRows:
         else:
             self.pending[index] = tensor
 
+    def skip(self, index: int, rows: int) -> None:
+        """A shard none of whose rows this rank holds (not read)."""
+        self.seen[index] = rows
+
     def _place(self, index: int, tensor: torch.Tensor, offset: int, errors: list[str]) -> None:
         dest = self.dest
-        if tensor.dim() != 2 or tensor.shape[1] != dest.shape[1] or offset + tensor.shape[0] > dest.shape[0]:
+        if tensor.dim() != 2 or tensor.shape[1] != dest.shape[1] or offset + tensor.shape[0] > self.total_rows:
             errors.append(f"{self.name} shard {index}: {tuple(tensor.shape)} at row {offset} does not fit "
-                          f"{tuple(dest.shape)}")
+                          f"{(self.total_rows, dest.shape[1])}")
             return
+        first, last = max(offset, self.row_range[0]), min(offset + tensor.shape[0], self.row_range[1])
+        self.seen[index] = tensor.shape[0]
+        if first >= last:
+            return
+        tensor, offset = tensor[first - offset:last - offset], first - self.row_range[0]
         scale = 1.0
         if tensor.dtype == FP8:
             self.fp8_source = True
@@ -237,7 +255,6 @@ class _TableRows:
             scale = self.scale
         write_rows_(dest.data, offset, tensor, scale)
         self.bar.update(tensor.shape[0])
-        self.seen[index] = tensor.shape[0]
 
     def finish(self, scale_buffer: torch.Tensor, errors: list[str]) -> None:
         self.bar.close()
@@ -247,8 +264,8 @@ class _TableRows:
         idx = sorted(self.seen)
         if idx != list(range(len(idx))):
             errors.append(f"{name}: shard indices {idx} are not contiguous from 0")
-        elif self.seen and sum(self.seen.values()) != dest.shape[0]:
-            errors.append(f"{name}: shards hold {sum(self.seen.values())} rows, the model needs {dest.shape[0]}")
+        elif self.seen and sum(self.seen.values()) != self.total_rows:
+            errors.append(f"{name}: shards hold {sum(self.seen.values())} rows, the model needs {self.total_rows}")
         if self.fp8_source and self.checkpoint_scale is None:
             errors.append(f"{name}: the table is float8 but the checkpoint has no "
                           f"{name.removesuffix('.weight')}.weight_scale")
@@ -280,8 +297,12 @@ class _Loading:
     rule's match over the normalised name (`m.string`) and the tensor."""
 
     def __init__(self, model: Qwen4ExpForCausalLM, shard_rows: dict[str, list[int]] | None,
-                 table_scales: dict[str, float] | None):
+                 table_scales: dict[str, float] | None, sliced: bool = False):
+        """sliced: the tensors arrive as this rank's parts already (read by `part`), else whole."""
+        self.sliced = sliced
         self.targets = {t.name: t for t in named_checkpoint_tensors(model)}
+        self.table_ranges = {name + ".ngram_embedding.weight": m.row_range for name, m in model.named_modules()
+                             if isinstance(m, NGramEmbedding) and m.split_rows}
         self.params = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
         self.experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
@@ -301,6 +322,54 @@ class _Loading:
         self.scales_in: dict[str, str] = {}
         self.held: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
         self.dequantized: list[str] = []
+        self.rules = RULES if model.mtp is not None else (SKIP_MTP, *RULES)
+        if model.visual is None:
+            self.rules = (SKIP_VISION, *self.rules)
+
+    def part(self, raw_name: str, shape: tuple[int, ...]) -> distributed.Shard | None | bool:
+        """The part of checkpoint tensor `raw_name` this rank holds: a Shard, None (all of it) or False (none: an
+        expert or n-gram table shard another rank holds)."""
+        rule, m = self._rule(_normalise(raw_name))
+        if rule == "expert":
+            experts = self.experts.get(m["experts"])
+            if experts is None:
+                return None
+            if experts.local_expert(int(m["expert"])) is None:
+                return False if int(m["expert"]) < experts.global_num_experts else None
+            shard = experts.expert_shard(m["proj"])
+        elif rule == "tensor":
+            name = m.string
+            target = self.targets.get(name.removesuffix(SCALE))
+            if target is None:
+                return None
+            shard = target.shard
+        elif rule == "table_rows":
+            table = m["table"] + ".weight"
+            rows, layout = self.table_ranges.get(table), self.shard_rows.get(table)
+            if rows is None or layout is None:
+                return None
+            index = int(m["shard"] or 0)
+            offset = sum(layout[:index])
+            if offset < rows[1] and offset + shape[0] > rows[0]:
+                return None
+            if table in self.params:
+                self._table(table).skip(index, shape[0])
+            return False
+        else:
+            return None
+        if shard is not None and raw_name.endswith(SCALE):
+            shard = distributed.scale_shard(shard, ops.fp8.BLOCK, shape)
+        return shard
+
+    def _rule(self, name: str) -> tuple[str, re.Match]:
+        return next((rule, m) for rule, pattern in self.rules if (m := pattern.search(name)))
+
+    def _cut(self, raw_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole tensor (the tensor itself when it came as the part)."""
+        if self.sliced:
+            return tensor
+        shard = self.part(raw_name, tuple(tensor.shape))
+        return tensor if shard is None or shard is True else distributed.take(tensor, shard)
 
     def skip(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
         pass
@@ -308,9 +377,13 @@ class _Loading:
     def expert(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
         stacked, e, proj = f"{m['experts']}.{EXPERT_PARTS[m['proj']]}", int(m["expert"]), m["proj"]
         experts = self.experts.get(m["experts"])
-        if experts is None or e >= experts.num_experts:
+        if experts is None or e >= experts.global_num_experts:
             self.unexpected.append(raw_name)
             return
+        e = experts.local_expert(e)
+        if e is None:  # another rank's
+            return
+        tensor = self._cut(raw_name, tensor)
         param = self.params[stacked]
         dest = _Destination(
             lambda t, name: experts.load_expert_(e, proj, "weight", t, name),
@@ -336,10 +409,13 @@ class _Loading:
         if table not in self.params:
             self.unexpected.append(raw_name)
             return
+        self._table(table).add(int(m["shard"] or 0), tensor, self.misshaped)
+
+    def _table(self, table: str) -> _TableRows:
         if table not in self.tables:
             self.tables[table] = _TableRows(table, self.params[table], self.shard_rows.get(table),
-                                            self.table_scales.get(table))
-        self.tables[table].add(int(m["shard"] or 0), tensor, self.misshaped)
+                                            self.table_scales.get(table), self.table_ranges.get(table))
+        return self.tables[table]
 
     def hash_buffer(self, raw_name: str, m: re.Match, tensor: torch.Tensor) -> None:
         expected = self.buffers.get(m.string)
@@ -357,6 +433,7 @@ class _Loading:
                 self.unexpected.append(raw_name)
             return
         target, scale = self.targets[weight], self.targets.get(weight + SCALE)
+        tensor = self._cut(raw_name, tensor)
 
         def loaded() -> None:
             self.loaded.add(weight)
@@ -459,17 +536,17 @@ def load_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     shard_rows: dict[str, list[int]] | None = None,
     table_scales: dict[str, float] | None = None,
+    loading: _Loading | None = None,
 ) -> None:
     """Copy (name, tensor) pairs into `model` by RULES. `shard_rows` (table name -> rows of each shard, in order) gives
     exact offsets for n-gram shards; without it shards must have equal rows except the last, and shard 0 fixes the
-    size. `table_scales` (table name -> scale) quantises rows arriving in another dtype for an fp8 table."""
-    loading = _Loading(model, shard_rows, table_scales)
-    rules = RULES if model.mtp is not None else (SKIP_MTP, *RULES)
-    if model.visual is None:
-        rules = (SKIP_VISION, *rules)
+    size. `table_scales` (table name -> scale) quantises rows arriving in another dtype for an fp8 table. A model
+    split over ranks takes each tensor's part of a whole tensor; `loading` (made with `sliced`) when the tensors
+    come as the parts its `part` chose."""
+    loading = loading or _Loading(model, shard_rows, table_scales)
     for raw_name, tensor in weights:
         name = _normalise(raw_name)
-        rule, match = next((rule, m) for rule, pattern in rules if (m := pattern.search(name)))
+        rule, match = loading._rule(name)
         try:
             getattr(loading, rule)(raw_name, match, tensor)
         except TensorShapeError as e:
@@ -628,7 +705,10 @@ def load_model(
             else:
                 amax = table_amax(weights, tables)
             scales = {t: fp8_scale(a) for t, a in amax.items()}
-        if files is not None:
+        if files is not None and distributed.world_size() > 1:
+            loading = _Loading(model, _shard_layout(infos), scales, sliced=True)
+            load_weights(model, iterate_files(files, parts=loading.part), loading=loading)
+        elif files is not None:
             load_weights(model, iterate_files(files), _shard_layout(infos), scales)
         else:
             load_weights(model, weights, table_scales=scales)

@@ -7,9 +7,14 @@ import json
 import mmap
 import os
 import struct
+import warnings
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..distributed import Shard
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
            torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
@@ -119,12 +124,18 @@ def _read_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
 
 
-def iterate_files(files: list[str], only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_files(files: list[str], only: Callable[[str], bool] | None = None,
+                  parts: Callable[[str, tuple[int, ...]], Shard | None | bool] | None = None,
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (name, tensor) pairs in file order, one tensor in memory at a time (those `only` accepts, if given).
+
+    parts(name, shape): which part of each tensor to read, for a process that holds a part of the model
+    (`distributed.Shard`: only those bytes are read and the part is yielded; None: all of it; False: skip it).
 
     Plain reads rather than mmap: a mapped file's pages count as resident memory of the process until it is
     unmapped, which would make a loading process look (and, under memory limits, behave) like it holds the
-    checkpoint twice.
+    checkpoint twice. A part is copied out of a mapping of its tensor that is closed right after, so only the pages
+    holding the part are read and none stay mapped.
     """
     for path in files:
         with open(path, "rb") as f:
@@ -133,7 +144,32 @@ def iterate_files(files: list[str], only: Callable[[str], bool] | None = None) -
                 if only is not None and not only(name):
                     continue
                 start, end = info["data_offsets"]
+                shape, dtype = tuple(info["shape"]), _BY_NAME[info["dtype"]]
+                shard = parts(name, shape) if parts is not None else None
+                if shard is False:
+                    continue
+                if shard is not None and shard is not True:
+                    yield name, _read_part(f, base + start, end - start, shape, dtype, shard)
+                    continue
                 buf = _read_buffer(end - start)
                 f.seek(base + start)
                 f.readinto(memoryview(buf.numpy()))
-                yield name, buf.view(_BY_NAME[info["dtype"]]).reshape(info["shape"])
+                yield name, buf.view(dtype).reshape(shape)
+
+
+def _read_part(f, offset: int, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype, shard) -> torch.Tensor:
+    from ..distributed import take
+
+    if nbytes == 0:
+        return take(torch.empty(shape, dtype=dtype), shard)
+    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(f.fileno(), nbytes + offset - aligned, offset=aligned, access=mmap.ACCESS_READ)
+    try:
+        with warnings.catch_warnings():  # the mapping is read-only, and only read
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(mapped, dtype=torch.uint8, offset=offset - aligned, count=nbytes)
+        part = take(raw.view(dtype).reshape(shape), shard).clone()
+        del raw
+    finally:
+        mapped.close()
+    return part
