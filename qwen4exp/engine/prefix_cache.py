@@ -61,6 +61,7 @@ class PrefixCache:
         self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # page key -> state slot, least recently used first
         self.checkpoint_slots = list(checkpoint_slots)
         self._free_checkpoint_slots = list(reversed(checkpoint_slots))
+        self.num_evicted = 0  # named pages allocated again
 
     @property
     def num_free(self) -> int:
@@ -80,6 +81,7 @@ class PrefixCache:
             else:
                 page, _ = self.evictable.popitem(last=False)
                 self._forget(page)
+                self.num_evicted += 1
             self.refs[page] = 1
             pages.append(page)
         return pages
