@@ -205,3 +205,30 @@ def test_option_and_flags(tiny_dir):
     assert llm.llm_engine.cache.prefix is None and llm.reset_prefix_cache()
     (out,) = llm.generate([{"prompt_token_ids": list(range(3, 40))}], greedy(2), use_tqdm=False)
     assert out.num_cached_tokens == 0
+
+
+def test_cached_tokens_in_the_api_usage_with_prompt_tokens_details(tiny_dir):
+    from fastapi.testclient import TestClient
+
+    from qwen4exp.engine.engine import LLMEngine
+    from qwen4exp.entrypoints.async_engine import AsyncEngine
+    from qwen4exp.entrypoints.server import build_app
+
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="float32", device="cpu", max_model_len=256, num_pages=64,
+                                              page_size=PAGE))
+    async_engine = AsyncEngine(engine).start()
+    prompt = list(range(3, 40))
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+    try:
+        with TestClient(build_app(async_engine, "m", enable_prompt_tokens_details=True)) as c:
+            first = c.post("/v1/completions", json=body).json()["usage"]
+            again = c.post("/v1/completions", json=body).json()["usage"]
+            chat = c.post("/v1/completions", json={**body, "prompt": prompt + [50, 51]}).json()["usage"]
+        with TestClient(build_app(async_engine, "m")) as c:  # vLLM's default: no details
+            plain = c.post("/v1/completions", json=body).json()["usage"]
+    finally:
+        async_engine.shutdown()
+    assert "prompt_tokens_details" not in first  # nothing cached yet
+    assert again["prompt_tokens_details"] == {"cached_tokens": 32} and again["prompt_tokens"] == 37
+    assert chat["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert "prompt_tokens_details" not in plain
