@@ -3,8 +3,8 @@ reference counts, least recently used eviction of the unreferenced ones, and sta
 
 A full page's key is sha256(parent page's key, its token ids, its extra keys), so one key names the whole prefix up
 to the page's end; `extra_keys` is where anything else that changes a page's content (an image's hash) joins the
-chain. A page gets its key once its content is computed, and keeps it (and stays findable) after the requests that
-hold it finish, until it is evicted for a new page.
+chain. A page gets its key when a checkpoint after it is saved (requests scheduled from the next step on find it),
+and keeps it (and stays findable) after the requests that hold it finish, until it is evicted for a new page.
 
 The hybrid model's GDN recurrent and conv states and PLE conv windows cannot be rebuilt from the pages (QSA's raw
 and compressed indexer keys live in the pages, a block never straddling one, and the n-gram context comes from the
@@ -17,7 +17,7 @@ Checkpoints are taken, as vLLM's "align" mode does, where a prefill chunk ends o
   one) resumes there, and an identical prompt recomputes only its last partial page;
 - the end of the cached pages a prompt matched beyond its usable checkpoint: a prefix two prompts share (a system
   prompt) gets a checkpoint the second time it is computed, so the third and later prompts resume there.
-So a prompt costs at most two checkpoints, at most one extra chunk boundary each, and no decode step any host work.
+So a prompt costs at most two checkpoints and two extra chunk boundaries, and decode steps are left as they were.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ class PrefixCache:
 
     def save(self, keys: list[bytes], pages: list[int]) -> int | None:
         """Names `pages` (computed, in order) by `keys` where their keys are new, and returns a checkpoint slot for
-        the state at the end of the last one, which the caller fills; None where that checkpoint exists already
-        or no slot is free (every checkpoint slot empty of use is taken by one just made)."""
+        the state at the end of the last one, which the caller fills (a free slot, else the least recently used
+        checkpoint's); None where that checkpoint exists already."""
         for key, page in zip(keys, pages):
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key] = page
@@ -149,10 +149,8 @@ class PrefixCache:
             return None
         if self._free_checkpoint_slots:
             slot = self._free_checkpoint_slots.pop()
-        elif self.checkpoints:
-            _, slot = self.checkpoints.popitem(last=False)
         else:
-            return None
+            _, slot = self.checkpoints.popitem(last=False)
         self.checkpoints[key] = slot
         return slot
 
