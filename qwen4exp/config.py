@@ -690,6 +690,10 @@ class EngineConfig:
     cpu_cache_bytes: int = _option(1 << 30, "KV cache and state budget in bytes when running on the CPU")
     num_pages: int | None = _option(None, "KV cache pages to allocate (default: as many as the memory budget holds)")
     enforce_eager: bool = _option(False, "run every step eagerly, without CUDA graphs")
+    enable_prefix_caching: bool = _option(
+        True, "reuse the cached pages and saved recurrent state of a prompt's longest prefix computed before "
+              "(conversation turns, shared system prompts), with max_num_seqs state slots more for the saved "
+              "states; off with speculative decoding")
     async_scheduling: bool | None = _option(
         None, "launch each step before the previous step's sampled ids are read, overlapping the host's bookkeeping "
               "with the GPU (default: on for CUDA; on the CPU there is nothing to overlap)")
@@ -751,6 +755,8 @@ class EngineConfig:
                 continue
             if not _positive_int(value):
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError("enable_prefix_caching", f"must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError("seed", f"must be an integer, got {self.seed!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -3,9 +3,9 @@ when something does not fit, one error that says what to change.
 
 On a GPU the engine's share is gpu_memory_utilization x the device's memory. The weights come first (checked before
 any is allocated: `check_weights_fit`), then the state slots (one per sequence of max_num_seqs, 1 + k with k-token
-speculative decoding, plus the null slot), then as many KV cache pages as the rest of the share holds; activations
-and CUDA-graph pools live in what the share leaves of the device (1 - gpu_memory_utilization), and their peak is
-logged after the warm-up.
+speculative decoding, plus the null slot, plus max_num_seqs prefix-cache checkpoints with prefix caching), then as
+many KV cache pages as the rest of the share holds; activations and CUDA-graph pools live in what the share leaves
+of the device (1 - gpu_memory_utilization), and their peak is logged after the warm-up.
 """
 
 from __future__ import annotations
@@ -82,10 +82,11 @@ class MemoryPlan:
     page_size: int
     page_bytes: int
     slot_bytes: int
-    num_slots: int  # slots_per_sequence x max_num_seqs + the null slot
+    num_slots: int  # slots_per_sequence x max_num_seqs + the null slot + checkpoint_slots
     max_model_len: int
     max_num_seqs: int
     slots_per_sequence: int = 1  # 1 + k with k-token speculative decoding (a state after each draft)
+    checkpoint_slots: int = 0  # prefix caching's saved states (engine/prefix_cache.py)
     num_pages: int = 0  # decided by `plan_cache` (page 0 is the null page)
     weights: dict[str, int] = field(default_factory=dict)  # bytes on the device by dtype
     tables: tuple[int, str] | None = None  # (bytes, where) of the n-gram tables
@@ -110,6 +111,8 @@ class MemoryPlan:
         if self.tables is not None:
             rows.append(f"  n-gram tables      {_gib(self.tables[0]):>10}  ({self.tables[1]})")
         per = f", {self.slots_per_sequence} per sequence" if self.slots_per_sequence > 1 else ""
+        if self.checkpoint_slots:
+            per += f", {self.checkpoint_slots} prefix-cache checkpoints"
         rows.append(f"  state slots        {_gib(self.num_slots * self.slot_bytes):>10}  ({self.num_slots} slots of "
                     f"{self.slot_bytes / 2**20:.1f} MiB: GDN recurrent + conv, PLE conv{per})")
         rows.append(f"  KV cache pages     {_gib(self.num_pages * self.page_bytes):>10}  ({usable} pages of "
@@ -143,11 +146,14 @@ def plan_cache(plan: MemoryPlan, num_pages: int | None = None, hints: tuple[str,
     if pages_left:
         fixes.append(f"--max-model-len {pages_left * plan.page_size}")
     one_sequence = (plan.pages_per_sequence + 1) * plan.page_bytes
-    seqs = (plan.budget - one_sequence - plan.slot_bytes) // (plan.slot_bytes * plan.slots_per_sequence)
+    per_seq_slots = plan.slots_per_sequence + (plan.checkpoint_slots > 0)  # a checkpoint slot per sequence
+    seqs = (plan.budget - one_sequence - plan.slot_bytes) // (plan.slot_bytes * per_seq_slots)
     if 0 < seqs < plan.max_num_seqs:
         fixes.append(f"--max-num-seqs {seqs}")
     fixes += hints
     per = "one" if plan.slots_per_sequence == 1 else f"{plan.slots_per_sequence} (speculative decoding)"
+    if plan.checkpoint_slots:
+        per += " + a prefix-cache checkpoint"
     raise InsufficientMemoryError(
         f"the cache does not hold one sequence of max_model_len={plan.max_model_len}: the {_gib(plan.budget)} left for "
         f"it on {plan.device} take {plan.num_slots} state slots ({_gib(slots)}, {per} per --max-num-seqs + 1) and "

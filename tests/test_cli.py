@@ -18,15 +18,15 @@ from qwen4exp.config import ConfigError, EngineConfig
 from qwen4exp.entrypoints.cli import build_parser, main
 from qwen4exp.entrypoints.default_model import resolve_model
 
-ENGINE_COMMANDS = [["serve"], ["generate"], ["bench", "latency"], ["bench", "throughput"]]
+ENGINE_COMMANDS = [["serve"], ["generate"], ["bench", "latency"], ["bench", "throughput"], ["bench", "multi-turn"]]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a value other than the default for every engine flag
 NON_DEFAULT_FLAGS = [
     "--dtype", "half", "--device", "cpu", "--load-format", "dummy", "--max-model-len", "128", "--max-num-seqs", "3",
     "--max-num-batched-tokens", "77", "--page-size", "8", "--gpu-memory-utilization", "0.5", "--cpu-cache-bytes",
-    "1000", "--num-pages", "9", "--enforce-eager", "--no-async-scheduling", "--cuda-graph-sizes", "1", "2", "--seed",
-    "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8", "--quantization", "fp8", "--generation-config",
-    "vllm", "--override-generation-config", '{"temperature": 0.5}',
+    "1000", "--num-pages", "9", "--enforce-eager", "--no-enable-prefix-caching", "--no-async-scheduling",
+    "--cuda-graph-sizes", "1", "2", "--seed", "5", "--ple-table-device", "cpu", "--ple-table-dtype", "fp8",
+    "--quantization", "fp8", "--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5}',
     "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--limit-mm-per-prompt", '{"image": 3}',
     "--tensor-parallel-size", "2", "--enable-expert-parallel", "--ple-table-parallel", "rows",
 ]
@@ -63,7 +63,8 @@ def test_engine_flags_reach_the_config(command):
     assert config == EngineConfig(
         dtype="half", device="cpu", load_format="dummy", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=77,
         page_size=8, gpu_memory_utilization=0.5, cpu_cache_bytes=1000, num_pages=9, enforce_eager=True,
-        async_scheduling=False, cuda_graph_sizes=[1, 2], seed=5, ple_table_device="cpu", ple_table_dtype="fp8",
+        enable_prefix_caching=False, async_scheduling=False, cuda_graph_sizes=[1, 2], seed=5, ple_table_device="cpu",
+        ple_table_dtype="fp8",
         quantization="fp8", generation_config="vllm", override_generation_config={"temperature": 0.5},
         speculative_config={"method": "mtp", "num_speculative_tokens": 2}, limit_mm_per_prompt={"image": 3},
         tensor_parallel_size=2, enable_expert_parallel=True, ple_table_parallel="rows")

@@ -72,7 +72,7 @@ def test_names_labels_and_buckets_are_vllms(tiny_dir):
     for (name, labels) in got:
         if name == "vllm:cache_config_info":  # vLLM's info metric: the cache config and the engine, no model name
             assert "model_name" not in dict(labels) and ("engine", "0") in labels
-            assert dict(labels)["block_size"] == "8" and dict(labels)["enable_prefix_caching"] == "False"
+            assert dict(labels)["block_size"] == "8" and dict(labels)["enable_prefix_caching"] == "True"
             assert dict(labels)["num_gpu_blocks"] == str(engine.cache.pages.num_usable)
         else:
             assert model <= labels, (name, labels)
@@ -187,7 +187,8 @@ def test_warm_up_reset_and_a_new_served_name_start_from_zero(tiny_dir):
 
 
 STATS_LINE = re.compile(r"^Avg prompt throughput: \d+\.\d tokens/s, Avg generation throughput: \d+\.\d tokens/s, "
-                        r"Running: (\d+) reqs, Waiting: (\d+) reqs, CPU KV cache usage: \d+\.\d%$")
+                        r"Running: (\d+) reqs, Waiting: (\d+) reqs, CPU KV cache usage: \d+\.\d%, "
+                        r"Prefix cache hit rate: \d+\.\d%$")
 
 
 def test_stats_line_reports_the_interval_and_goes_quiet_when_idle(tiny_dir, caplog):

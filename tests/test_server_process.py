@@ -245,7 +245,7 @@ def test_log_lines_and_the_stats_line_as_vllm_writes_them(server_factory):
     line = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] ")
     stats = re.compile(r"^INFO .* \[metrics\.py:\d+\] Avg prompt throughput: \d+\.\d tokens/s, Avg generation "
                        r"throughput: \d+\.\d tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, CPU KV cache usage: "
-                       r"\d+\.\d%$", re.MULTILINE)
+                       r"\d+\.\d%, Prefix cache hit rate: \d+\.\d%$", re.MULTILINE)
     body = {"prompt": "keep going", "max_tokens": 60, "ignore_eos": True}
     fast = {"QWEN4EXP_LOG_STATS_INTERVAL": "0.2"}
     for flags, expect_stats in (((), True), (("--disable-log-stats",), False)):

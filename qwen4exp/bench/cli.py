@@ -1,5 +1,6 @@
-"""`qwen4exp bench latency|throughput|serve` (vLLM's flag and metric names; results as JSON) and `qwen4exp bench
-suite` (the figures of docs/benchmarks.md)."""
+"""`qwen4exp bench latency|throughput|serve` (vLLM's flag and metric names; results as JSON), `qwen4exp bench
+multi-turn` (prefix caching on a chat workload, on and off) and `qwen4exp bench suite` (the figures of
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ def _throughput(args) -> None:
     from .offline import throughput
 
     result = throughput(_engine(args), args.num_prompts, args.input_len, args.output_len, args.structured_fraction)
+    _emit({"model_id": args.model} | result, args.output_json)
+
+
+def _multi_turn(args) -> None:
+    from .multi_turn import multi_turn
+
+    result = multi_turn(_engine(args), args.num_conversations, args.num_turns, args.system_len, args.turn_len,
+                        args.output_len)
     _emit({"model_id": args.model} | result, args.output_json)
 
 
@@ -93,6 +102,17 @@ def add_bench_parser(sub) -> None:
                                 "evenly over the batch (default: %(default)s)")
         EngineConfig.add_cli_args(p)
         p.set_defaults(func=fn)
+    p = bench.add_parser("multi-turn", help="conversations on a shared system prompt, turn after turn, with the prefix "
+                                            "cache on and off in one process: TTFT and duration per turn")
+    add_model_option(p)
+    p.add_argument("--num-conversations", type=int, default=16)
+    p.add_argument("--num-turns", type=int, default=8)
+    p.add_argument("--system-len", type=int, default=2000, help="tokens of the shared system prompt")
+    p.add_argument("--turn-len", type=int, default=200, help="tokens of each user message")
+    p.add_argument("--output-len", type=int, default=200, help="tokens of each reply")
+    p.add_argument("--output-json", default=None)
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=_multi_turn)
     p = bench.add_parser("serve", help="load test a running server (OpenAI completions API)")
     p.add_argument("--base-url", default=None, help="the server's URL (default: http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")

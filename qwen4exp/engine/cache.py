@@ -18,6 +18,7 @@ from ..memory import DeviceMemory, MemoryPlan, plan_cache, weights_by_dtype
 from ..model.state import ModelCache, allocate_cache, page_bytes, slot_bytes
 from ..weights.loader import table_names
 from ..weights.ngram_table import on_host
+from .prefix_cache import PrefixCache
 
 logger = logging.getLogger("qwen4exp")
 
@@ -51,17 +52,24 @@ class SlotAllocator(PageAllocator):
 
 
 class CacheAllocator:
-    """Pages of `page_size` tokens and state slots, as integers: what the scheduler hands to requests."""
+    """Pages of `page_size` tokens and state slots, as integers: what the scheduler hands to requests. With
+    `num_checkpoints`, prefix caching: the pages are a PrefixCache (engine/prefix_cache.py) and slots num_slots ..
+    num_slots + num_checkpoints - 1 its checkpoints (`prefix`; None without)."""
 
-    def __init__(self, num_pages: int, num_slots: int, page_size: int):
+    def __init__(self, num_pages: int, num_slots: int, page_size: int, num_checkpoints: int = 0):
         self.page_size = page_size
-        self.pages = PageAllocator(num_pages)
+        self.prefix = None
+        if num_checkpoints:
+            self.pages = self.prefix = PrefixCache(num_pages, list(range(num_slots, num_slots + num_checkpoints)))
+        else:
+            self.pages = PageAllocator(num_pages)
         self.slots = SlotAllocator(num_slots)
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def all_free(self) -> bool:
+        """No page or sequence slot is held (cached pages nobody holds count as free)."""
         return self.pages.num_free == self.pages.num_usable and self.slots.num_free == self.slots.num_usable
 
     @property
@@ -89,17 +97,18 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
                           model: torch.nn.Module | None = None) -> tuple[CacheAllocator, ModelCache, int]:
     """The cache tensors, as many pages as the memory budget holds (or `num_pages`) and max_num_seqs + 1 slots
     (with k-token speculative decoding (1 + k) x max_num_seqs + 1, and pages that hold the MTP draft layers' caches
-    too), with their allocator and the max_model_len they serve (engine_config's, else the model's
-    max_position_embeddings where the pages hold that many tokens, else as many as they hold); logs the memory plan
+    too; with prefix caching max_num_seqs more slots for its checkpoints), with their allocator and the max_model_len
+    they serve (engine_config's, else the model's max_position_embeddings where the pages hold that many tokens, else as many as they hold); logs the memory plan
     (`qwen4exp.memory`, with the weights of `model` when given)."""
     c, e = model_config, engine_config
     device = torch.device(device)
     page_size = resolve_page_size(c, e.page_size)
     mtp = e.speculative_config is not None
     per_seq = 1 + e.num_speculative_tokens
+    checkpoints = e.max_num_seqs if e.enable_prefix_caching else 0
     plan = MemoryPlan(str(device), e.cpu_cache_bytes, page_size, max(page_bytes(c, page_size, dtype, mtp), 1),
-                      max(slot_bytes(c, dtype), 1), per_seq * e.max_num_seqs + 1,
-                      e.max_model_len or c.max_position_embeddings, e.max_num_seqs, per_seq)
+                      max(slot_bytes(c, dtype), 1), per_seq * e.max_num_seqs + 1 + checkpoints,
+                      e.max_model_len or c.max_position_embeddings, e.max_num_seqs, per_seq, checkpoints)
     hints = []
     if device.type == "cuda":
         memory = DeviceMemory.measure(device, e.gpu_memory_utilization)
@@ -122,11 +131,12 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
     plan_cache(plan, e.num_pages, tuple(hints), fit_max_model_len=e.max_model_len is None)
     # every rank holds the same pages and slots: the fewest any rank's memory holds
     plan.num_pages, plan.max_model_len = distributed.min_over_ranks([plan.num_pages, plan.max_model_len])
-    allocator = CacheAllocator(plan.num_pages, plan.num_slots, page_size)
+    allocator = CacheAllocator(plan.num_pages, plan.num_slots - checkpoints, page_size, checkpoints)
     tensors = allocate_cache(c, plan.num_pages, page_size, plan.num_slots, dtype, device, mtp)
     logger.info(
-        "KV cache: %d pages = %d tokens, %d state slots", allocator.pages.num_usable,
+        "KV cache: %d pages = %d tokens, %d state slots%s", allocator.pages.num_usable,
         allocator.pages.num_usable * page_size, allocator.slots.num_usable,
+        f", prefix caching with {checkpoints} checkpoint slots" if checkpoints else ", prefix caching off",
     )
     logger.info("\n".join(plan.lines()))
     return allocator, tensors, plan.max_model_len

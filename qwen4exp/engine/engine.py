@@ -101,6 +101,14 @@ class LLMEngine:
                 self.config, max_num_batched_tokens=default_max_num_batched_tokens(self.device, server=False))
             logger.info("max_num_batched_tokens=%d (this device's default)", self.config.max_num_batched_tokens)
         self.dtype = resolve_dtype(self.config.dtype, mc, self.device)
+        if self.config.enable_prefix_caching and self.config.speculative_config is not None:
+            logger.info("prefix caching is off with speculative decoding (its verification steps keep 1 + k states "
+                        "per sequence, which checkpoints do not save)")
+            self.config = dataclasses.replace(self.config, enable_prefix_caching=False)
+        if self.config.enable_prefix_caching and self.config.tensor_parallel_size > 1:
+            logger.info("prefix caching is off with tensor_parallel_size > 1 (the ranks' state checkpoints are not "
+                        "copied yet)")
+            self.config = dataclasses.replace(self.config, enable_prefix_caching=False)
         self.workers = None  # the other ranks' processes (engine/workers.py) when the model is split over several
         if self.config.tensor_parallel_size > 1:
             if weights is not None:
@@ -173,7 +181,8 @@ class LLMEngine:
 
     def _new_metrics(self) -> EngineMetrics:
         c = self.config
-        cache_info = {"block_size": str(c.page_size), "cache_dtype": "auto", "enable_prefix_caching": "False",
+        cache_info = {"block_size": str(c.page_size), "cache_dtype": "auto",
+                      "enable_prefix_caching": str(self.cache.prefix is not None),
                       "gpu_memory_utilization": str(c.gpu_memory_utilization),
                       "num_gpu_blocks": str(self.cache.pages.num_usable)}
         return EngineMetrics(self.served_model_name, c.max_model_len, cache_info, c.num_speculative_tokens)
@@ -270,6 +279,11 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError("prompt: expected a string, a list of token ids or {'prompt_token_ids': [...]}")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached page and checkpoint (vLLM's reset_prefix_cache); False, changing nothing, while a
+        request holds pages. True without prefix caching."""
+        return self.cache.prefix is None or self.cache.prefix.reset()
+
     def abort_request(self, request_id: str) -> None:
         for req in self.output_processor.abort(request_id):
             self._free(req)
@@ -303,6 +317,9 @@ class LLMEngine:
         sched = self.scheduler.schedule(token_budget)
         if sched.preempted:
             self.metrics.preemptions.inc(len(sched.preempted))
+        if sched.num_queried_tokens:
+            self.metrics.prefix_cache_queries.inc(sched.num_queried_tokens)
+            self.metrics.prefix_cache_hits.inc(sched.num_hit_tokens)
         launched = self._launch(sched, mixed_graphs) if sched.scheduled else None
         if overlap:
             done, self._inflight = self._inflight, launched
@@ -359,7 +376,11 @@ class LLMEngine:
                 multimodal = True
             spans.append((req, start, end, first))
         pending_ids = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
+        if sched.restores:  # prefix caching: resuming requests start from a checkpoint's state
+            self.runner.copy_state_slots(sched.restores)
         logits = self.runner.execute(chunks, pending_ids, mixed_graphs, multimodal=multimodal)
+        if sched.saves:  # and chunks ending at a checkpoint boundary leave their state there
+            self.runner.copy_state_slots(sched.saves)
         row, sample_rows, sample_reqs, keep_logits = 0, [], [], False
         for req, start, end, first in spans:
             keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1

@@ -11,7 +11,8 @@ come from the timestamps a Request carries (engine/request.py):
 queue = first scheduled - queued, prefill = first token - first scheduled, decode = last token - first token,
 inference = last token - first scheduled, e2e = finish - arrival.
 
-There is no prefix cache, so `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` exist and stay 0.
+`vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` count the prompt tokens of the requests admitted with a
+prefix cache lookup and those of them found cached (engine/prefix_cache.py); they stay 0 without prefix caching.
 
 With speculative decoding, vLLM's `vllm:spec_decode_*` counters: verified requests with drafts (num_drafts), their
 drafts (num_draft_tokens), the accepted ones (num_accepted_tokens) and those by draft position
@@ -197,10 +198,10 @@ class EngineMetrics:
 
 class StatsLogger:
     """vLLM's periodic stats line: every `interval` seconds, the prompt and generation throughput since the last
-    line, the running and waiting requests, preemptions (when there were some) and the cache usage; at DEBUG level
-    while the engine stays idle. vLLM adds the prefix cache hit rate once a prefix cache was queried, which never
-    happens here. With speculative decoding, vLLM's "SpecDecoding metrics" line follows where the interval verified
-    drafts. Called from the engine thread (AsyncEngine's loop), which owns `engine`."""
+    line, the running and waiting requests, preemptions (when there were some), the cache usage and, with prefix
+    caching, the prefix cache hit rate (cached / queried prompt tokens since the metrics started); at DEBUG level
+    while the engine stays idle. With speculative decoding, vLLM's "SpecDecoding metrics" line follows where the
+    interval verified drafts. Called from the engine thread (AsyncEngine's loop), which owns `engine`."""
 
     def __init__(self, engine, interval: float = 10.0):
         self.engine, self.interval = engine, interval
@@ -235,6 +236,10 @@ class StatsLogger:
             args.append(preemptions)
         parts.append("%s KV cache usage: %.1f%%")
         args += [self.cache_device, self.engine.cache.usage * 100]
+        if self.engine.cache.prefix is not None:
+            queries = metrics.total("vllm:prefix_cache_queries_total")
+            parts.append("Prefix cache hit rate: %.1f%%")
+            args.append(100 * metrics.total("vllm:prefix_cache_hits_total") / queries if queries else 0.0)
         (logger.debug if idle else logger.info)(", ".join(parts), *args)
         spec = metrics.spec_decode_totals()
         if spec is not None:

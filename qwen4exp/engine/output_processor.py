@@ -184,7 +184,7 @@ class OutputProcessor:
         out = RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-            outputs=outputs, finished=finished,
+            outputs=outputs, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                      "num_preemptions": sum(r.num_preemptions for r in parent.children)},
         )

@@ -221,6 +221,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (the first sequence's, at its admission)
 
 
 class RequestStatus(enum.Enum):
@@ -257,6 +258,11 @@ class Request:
     # (multimodal.MultiModalState)
     mm: Any = None
     max_tokens: int = 16  # resolved against max_model_len at admission
+    # prefix caching (engine/prefix_cache.py): the keys of the prompt's full pages before its last token, the page
+    # boundaries still to save a checkpoint at (ascending), and the prompt tokens found cached at first admission
+    page_keys: list[bytes] | None = None
+    checkpoint_positions: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
     # outputs
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..model import ModelCache, Qwen4ExpForCausalLM
+from ..model.state import copy_slots
 from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
 
 __all__ = ["ModelRunner"]
@@ -23,6 +24,13 @@ class ModelRunner:
         self.config = model.config
         self.builder = StepBuilder(self.config, page_size)
         self.graphs = graphs  # CUDAGraphRunner for decode and small mixed steps, or None (eager)
+
+    @torch.inference_mode()
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Queues the copies of the recurrent states of slot `source` to slot `destination` for every pair (prefix
+        caching's checkpoints), ordered on the device with the steps around them."""
+        index = to_device(list(zip(*pairs)), self.device, torch.long)
+        copy_slots(self.cache, index[0], index[1])
 
     @torch.inference_mode()
     def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None,

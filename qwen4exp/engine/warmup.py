@@ -68,11 +68,16 @@ def warm_up(engine) -> None:
     t0 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     vocab = engine.model_config.vocab_size
-    for budget, lengths in rounds:
-        for i, n in enumerate(lengths):
-            prompt = [(7 * j + i) % vocab for j in range(n)]
-            engine.add_request(f"warm-up-{budget}-{i}", {"prompt_token_ids": prompt}, params)
-        while engine.has_unfinished_requests():
-            engine.step(token_budget=budget, mixed_graphs=False)
+    # without prefix caching: its hits and checkpoint boundaries would change the steps' token counts
+    prefix, engine.scheduler.prefix = engine.scheduler.prefix, None
+    try:
+        for budget, lengths in rounds:
+            for i, n in enumerate(lengths):
+                prompt = [(7 * j + i) % vocab for j in range(n)]
+                engine.add_request(f"warm-up-{budget}-{i}", {"prompt_token_ids": prompt}, params)
+            while engine.has_unfinished_requests():
+                engine.step(token_budget=budget, mixed_graphs=False)
+    finally:
+        engine.scheduler.prefix = prefix
     engine.reset_metrics()
     logger.info("warm-up steps (compiling the eager step shapes) took %.1f s", time.perf_counter() - t0)

@@ -87,6 +87,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="write logprob tokens as 'token_id:{id}' unless a request's return_tokens_as_token_ids says "
                         "otherwise")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report the prompt tokens found in the prefix cache as usage.prompt_tokens_details."
+                        "cached_tokens (where there are some)")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer every request with an X-Request-Id header: the request's own, else a random one")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -31,6 +31,10 @@ class LLM:
                                     model_config=model_config, image_processor=image_processor)
         self._ids = itertools.count()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache's pages and checkpoints; False while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

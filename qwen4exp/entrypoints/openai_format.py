@@ -25,10 +25,16 @@ def _lp(x: float) -> float:
     return x if not math.isnan(x) and x > -9999.0 else -9999.0
 
 
-def usage(outputs: list[RequestOutput], echo_only: bool = False) -> dict:
+def usage(outputs: list[RequestOutput], echo_only: bool = False, cached_tokens: bool = False) -> dict:
+    """vLLM's usage; with `cached_tokens` (--enable-prompt-tokens-details) also the prompt tokens found in the prefix
+    cache, where there are some."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = 0 if echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens for o in outputs) if cached_tokens else 0
+    if cached:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
 
 
 def choice_usage(out: RequestOutput, c: CompletionOutput, echo_only: bool = False) -> dict:

@@ -665,10 +665,15 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details and a cache hit
     completion_tokens_details: CompletionTokensDetails | None = None  # chat, with --reasoning-parser
 
 

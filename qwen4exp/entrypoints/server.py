@@ -165,7 +165,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api
               renderer_timeout: float = 30.0, return_tokens_as_token_ids: bool = False,
               enable_request_id_headers: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False,
-              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
+              exclude_tools_when_tool_choice_none: bool = False,
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The app over a started AsyncEngine. Every name of `served_model_name` is accepted as `model`, and the first
     is the one responses carry and the metrics' model_name label: an engine started under another name gets fresh
     metrics (build the app before serving). Its render pool's processes start here and stop with the app's lifespan
@@ -179,8 +180,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api
     pool = RenderPool(engine.tokenizer, renderer_num_workers, renderer_timeout) if engine.tokenizer else None
     args = (engine, pool, names, max_model_len, chat_template, trust_request_chat_template,
             return_tokens_as_token_ids, renderer_timeout)
-    completion, tokenization = ServingCompletion(*args), ServingTokenization(*args)
-    chat = ServingChat(*args, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+    completion = ServingCompletion(*args, enable_prompt_tokens_details=enable_prompt_tokens_details)
+    tokenization = ServingTokenization(*args)
+    chat = ServingChat(*args, enable_prompt_tokens_details=enable_prompt_tokens_details,
+                       tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                        enable_auto_tool_choice=enable_auto_tool_choice,
                        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
 
@@ -461,7 +464,8 @@ def run_server(args) -> None:
                             enable_request_id_headers=args.enable_request_id_headers,
                             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
-                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                            enable_prompt_tokens_details=args.enable_prompt_tokens_details)
             logger.info("serving %s as %s on http://%s:%d (OpenAI API under /v1)", model,
                         ", ".join(map(repr, names)), args.host, args.port)
             asyncio.run(serve(app, async_engine, sock, args.shutdown_timeout, args.uvicorn_log_level))

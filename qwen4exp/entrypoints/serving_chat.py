@@ -131,7 +131,7 @@ class ServingChat(OpenAIServing):
 
     def _usage(self, out, parsing: ChatParsing | None) -> dict:
         """vLLM's usage; with --reasoning-parser also the count of reasoning tokens."""
-        body = usage([out])
+        body = usage([out], cached_tokens=self.enable_prompt_tokens_details)
         if self.reasoning_parser is not None:
             counted = parsing is not None and parsing.in_reasoning
             body["completion_tokens_details"] = {"reasoning_tokens": sum(

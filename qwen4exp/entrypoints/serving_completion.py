@@ -47,7 +47,7 @@ class ServingCompletion(OpenAIServing):
             raise to_api_error(e) from None
         choices = [self.fmt.completion_choice(req, out, c, i * req.n + c.index, as_ids)
                    for i, out in enumerate(finals) for c in out.outputs]
-        return {**head, "choices": choices, "usage": usage(finals, req.echo_only)}
+        return {**head, "choices": choices, "usage": usage(finals, req.echo_only, self.enable_prompt_tokens_details)}
 
     async def _stream(self, req: CompletionRequest, head: dict, streams: list[RequestStream], as_ids: bool):
         state = self.fmt.new_stream_state()
@@ -66,5 +66,6 @@ class ServingCompletion(OpenAIServing):
             yield sse_error(e)
         else:
             if req.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(list(finals.values()), req.echo_only)})
+                yield sse({**head, "choices": [], "usage": usage(list(finals.values()), req.echo_only,
+                                                              self.enable_prompt_tokens_details)})
         yield "data: [DONE]\n\n"

@@ -162,8 +162,10 @@ def max_chars_per_token(tokenizer) -> int:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, pool: RenderPool | None, served_model_names: list[str],
                  max_model_len: int, chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 return_tokens_as_token_ids: bool = False, grammar_timeout_s: float = 30.0):
+                 return_tokens_as_token_ids: bool = False, grammar_timeout_s: float = 30.0,
+                 enable_prompt_tokens_details: bool = False):
         self.engine, self.pool = engine, pool
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.grammar_timeout_s = grammar_timeout_s
         # every name is accepted as `model`; responses carry the first (as vLLM)
         self.served_model_names, self.max_model_len = list(served_model_names), max_model_len

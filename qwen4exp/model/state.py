@@ -118,3 +118,11 @@ def allocate_cache(
         for i in c.ple_layer_ids
     }
     return ModelCache(layers, ple)
+
+
+def copy_slots(cache: ModelCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copies every GDN and PLE state of slots `src` to slots `dst` (int64 device tensors, distinct destinations) on
+    the device, without a host synchronisation."""
+    tensors = [t for layer in cache.layers if isinstance(layer, GDNState) for t in (layer.conv, layer.ssm)]
+    for t in tensors + list(cache.ple.values()):
+        t.index_copy_(0, dst, t.index_select(0, src))
