@@ -98,8 +98,8 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
     """The cache tensors, as many pages as the memory budget holds (or `num_pages`) and max_num_seqs + 1 slots
     (with k-token speculative decoding (1 + k) x max_num_seqs + 1, and pages that hold the MTP draft layers' caches
     too; with prefix caching max_num_seqs more slots for its checkpoints), with their allocator and the max_model_len
-    they serve (engine_config's, else the model's max_position_embeddings where the pages hold that many tokens, else as many as they hold); logs the memory plan
-    (`qwen4exp.memory`, with the weights of `model` when given)."""
+    they serve (engine_config's, else the model's max_position_embeddings where the pages hold that many tokens, else
+    as many as they hold); logs the memory plan (`qwen4exp.memory`, with the weights of `model` when given)."""
     c, e = model_config, engine_config
     device = torch.device(device)
     page_size = resolve_page_size(c, e.page_size)
