@@ -250,6 +250,8 @@ class LLMEngine:
         if state is not None:
             if self.spec is not None:
                 raise ValueError("multi_modal_data: speculative decoding does not take images")
+            if self.workers is not None:
+                raise ValueError("multi_modal_data: images are not supported with tensor_parallel_size > 1")
             return ids, state
         if not data:
             return None
@@ -258,6 +260,8 @@ class LLMEngine:
             raise ValueError(f"multi_modal_data: only 'image' is supported, got {got!r}")
         if self.mm_processor is None:
             raise ValueError("multi_modal_data: the model has no vision tower (config.json has no vision_config)")
+        if self.workers is not None:
+            raise ValueError("multi_modal_data: images are not supported with tensor_parallel_size > 1")
         if self.spec is not None:
             raise ValueError("multi_modal_data: speculative decoding does not take images")
         images = data["image"]

@@ -121,7 +121,9 @@ class DriverRunner(ModelRunner):
         self.channel = StepChannel()
 
     def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None,
-                mixed_graphs: bool = True, return_streams: bool = False):
+                mixed_graphs: bool = True, return_streams: bool = False, multimodal: bool = False):
+        # the step's encoding carries token ids only: the engine refuses images with several ranks
+        assert not multimodal, "image features do not reach the workers"
         self.workers.check()
         reads_pending = pending_ids is not None and any(c.pending_row >= 0 for c in chunks)
         try:
