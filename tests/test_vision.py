@@ -145,6 +145,29 @@ def test_prompt_logprobs_and_greedy_tokens_match(hf, llm):
     assert llm.llm_engine.cache.all_free()
 
 
+def test_prefix_cache_keys_pages_on_image_content(hf, llm):
+    """The same tokens with another image (image tokens share one id) find only the text pages before the image;
+    the same image again resumes past it. Each output is transformers' for its own image."""
+    gen = torch.Generator().manual_seed(9)
+    ids = with_placeholders(gen, [40, 20], 280)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    cached = []
+    for seed in (1, 2, 2):
+        im = image(32, 32, seed)
+        out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [im]}}, params,
+                           use_tqdm=False)[0]
+        prompt, gen_ids = out.prompt_token_ids, out.outputs[0].token_ids
+        ref = hf_forward_logprobs(hf, prompt + gen_ids[:-1], [im])
+        assert gen_ids == ref[len(prompt) - 1:].argmax(-1).tolist()
+        ours = torch.tensor([lp[tok].logprob for lp, tok in zip(out.outputs[0].logprobs, gen_ids)])
+        torch.testing.assert_close(ours, ref[torch.arange(len(prompt) - 1, len(prompt) + 7), torch.tensor(gen_ids)],
+                                   atol=1e-4, rtol=0)
+        cached.append(out.num_cached_tokens)
+    first_image = prompt.index(IMAGE)
+    assert cached[1] <= first_image < cached[2], cached
+    assert llm.llm_engine.cache.all_free()
+
+
 def test_encoder_runs_once_per_image_across_chunks(llm):
     engine = llm.llm_engine
     calls = []
