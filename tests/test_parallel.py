@@ -98,6 +98,26 @@ def test_two_ranks_match_one_process(tiny_dir, expected, options):
     assert distributed.world_size() == 1  # the process left the group: a later engine is a single process again
 
 
+@pytest.mark.slow
+def test_small_preset_two_ranks_match_one_process(tmp_path):
+    """The small preset (more heads, wider experts than tiny), tensor parallel and expert parallel: one process's
+    tokens and logprobs."""
+    d = make_random(str(tmp_path / "small"), "small", dtype="float32", seed=4)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1,
+                             prompt_logprobs=0 if i == 0 else None) for i in range(3)]
+    config = dict(ENGINE, num_pages=64)
+    expected = run(LLMEngine(d, EngineConfig(**config)), prompts, params)
+    for options in ({}, {"enable_expert_parallel": True}):
+        engine = LLMEngine(d, EngineConfig(tensor_parallel_size=2, **options, **config))
+        try:
+            assert_same(run(engine, prompts, params), expected)
+            assert engine.cache.all_free()
+        finally:
+            engine.shutdown()
+
+
 def test_killed_worker_ends_engine_within_30s(tiny_dir):
     engine = LLMEngine(tiny_dir, EngineConfig(tensor_parallel_size=2, **ENGINE))
     try:
