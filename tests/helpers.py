@@ -129,3 +129,21 @@ def serve_on_loopback(app, log_level: str = "warning", timeout: float = 30.0):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def run_arriving(engine, prompts: list[list[int]], params: list, rng, max_arrivals: int = 2,
+                 max_steps: int = 5000) -> dict:
+    """Steps `engine` while the requests arrive over time (0..max_arrivals of them before each step, in order);
+    returns each request's final RequestOutput by its index."""
+    pending, outputs, steps = list(range(len(prompts))), {}, 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randrange(0, max_arrivals + 1)):
+            if pending:
+                i = pending.pop(0)
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id)] = out
+        steps += 1
+        assert steps < max_steps
+    return outputs

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from helpers import run_arriving
 
 from qwen4exp import LLM, SamplingParams
 from qwen4exp.weights.random_checkpoint import make_random
@@ -37,20 +38,7 @@ def test_batched_with_preemption_equals_one_at_a_time(tiny_dir):
     llm = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=256, num_pages=40, page_size=8,
               max_num_batched_tokens=24, max_num_seqs=12)
     engine = llm.llm_engine
-    pending = list(range(n))
-    outputs = {}
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        # requests arrive over time: a few per step
-        for _ in range(rng.randrange(0, 4)):
-            if pending:
-                i = pending.pop(0)
-                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out
-        step += 1
-        assert step < 5000
+    outputs = run_arriving(engine, prompts, params, rng, max_arrivals=3)
     assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
     assert any(o.metrics["num_preemptions"] for o in outputs.values())
     for i in range(n):

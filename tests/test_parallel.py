@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 import torch
-from helpers import serve_on_loopback
+from helpers import run_arriving, serve_on_loopback
 
 from qwen4exp import LLM, SamplingParams, distributed
 from qwen4exp.config import EngineConfig, load_model_config
@@ -50,19 +50,7 @@ def workload():
 
 def run(engine: LLMEngine, prompts, params) -> dict:
     """Requests arriving over time, a few per step."""
-    rng = random.Random(1)
-    pending, outputs, steps = list(range(len(prompts))), {}, 0
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randrange(0, 3)):
-            if pending:
-                i = pending.pop(0)
-                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out
-        steps += 1
-        assert steps < 2000
-    return outputs
+    return run_arriving(engine, prompts, params, random.Random(1), max_steps=2000)
 
 
 @pytest.fixture(scope="module")
