@@ -428,3 +428,19 @@ def test_bench_serve_rejects_unknown_percentile_metrics(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "serve", "--percentile-metrics", "ttft,goodput"])
     assert e.value.code == 2 and "--percentile-metrics" in capsys.readouterr().err
+
+
+def test_repeated_benchmark_runs_of_the_same_prompts_find_nothing_cached(tiny_dir):
+    """A timed run starts from an empty prefix cache, as a fresh server would: the second of two throughput runs
+    over the same prompts must prefill them again, not find them cached."""
+    from qwen4exp.bench.offline import throughput
+    from qwen4exp.config import EngineConfig
+    from qwen4exp.engine.engine import LLMEngine
+
+    engine = LLMEngine(tiny_dir, EngineConfig(max_model_len=256, device="cpu", enable_prefix_caching=True))
+    hits = [engine.metrics.total("vllm:prefix_cache_hits_total")]
+    for _ in range(2):
+        throughput(engine, 4, 80, 2)
+        hits.append(engine.metrics.total("vllm:prefix_cache_hits_total"))
+    assert engine.metrics.total("vllm:prefix_cache_queries_total") > 0
+    assert hits[2] == hits[1] == hits[0]

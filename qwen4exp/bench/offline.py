@@ -51,6 +51,9 @@ def run_requests(engine, prompts: list[list[int]], output_len: int, structured_f
     constrained = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False,
                                  structured_outputs=StructuredOutputsParams(grammar=BENCH_GRAMMAR))
     timings: dict[str, RequestTiming] = {}
+    # every run starts from an empty prefix cache, as a fresh server would: a repeated run of the same prompts (the
+    # throughput runs) must not find them cached
+    engine.reset_prefix_cache()
     spec_before = engine.metrics.spec_decode_totals()
     _sync(engine)
     t0 = time.perf_counter()
