@@ -260,6 +260,112 @@ def _fp8(results: dict) -> list[str]:
     return lines
 
 
+def _spec_decode(results: dict) -> list[str]:
+    data = results.get("spec_decode", {})
+    trained, dummy = data.get("trained"), data.get("dummy")
+    if not trained or not dummy or "projection" not in data:
+        return []
+    t, tk, dk = trained["training"], trained["k"], dummy["k"]
+    projected = {"0": {"tok_s": data["projection"]["k0_tok_s"]}} | data["projection"]["k"]
+    ks = sorted(set(tk) | set(dk), key=int)
+
+    def row(what: str, target: str, part: dict, key: str, fmt: str, base: str | None = None, bold: str = "") -> str:
+        """One cell per k: part[k][key], and its ratio to part["0"][base]'s."""
+        cells = []
+        for k in ks:
+            x = part.get(k, {}).get(key)
+            cell = "" if x is None else " / ".join(_pct(p, 0) for p in x) if isinstance(x, list) else _f(x, fmt)
+            b = part["0"].get(base) if base and k != "0" and x is not None else None
+            cells.append((f"**{cell}**" if k == bold else cell) + (f" ({_f(x / b, '{:.2f}')}x)" if b else ""))
+        return "|" + "".join(f" {c} |" if c else " |" for c in (what, target, *cells))
+
+    return ["## Speculative decoding (MTP)", "",
+            f"`small` trained with its MTP layer for {_f(t['train_s'], '{:.0f}')} s ({t['steps']} steps, loss "
+            f"{_f(t['first_loss'], '{:.2f}')} -> {_f(t['last_loss_mean10'], '{:.2f}')}, MTP loss "
+            f"{_f(t.get('mtp_last_loss_mean10'), '{:.2f}')}), batch-1 greedy decode of {trained['prompts']} held-out "
+            f"code prompts ({trained['prompt_len']} in / {trained['output_len']} out). `{dummy['preset']}` on random "
+            f"bf16 weights: batch 1 ({dummy['input_len']} in / {dummy['output_len']} out), {dummy['concurrency']} "
+            f"concurrent ({dummy['concurrent_input_len']} in / {dummy['concurrent_output_len']} out). Random "
+            "weights' drafts are almost never accepted, but a step computes all 1 + k rows whatever is accepted: its "
+            "time is TPOT x tokens per step, and the projection is the trained model's tokens per step over that "
+            "time (stage `spec_decode`).", "",
+            "| measure | target | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|---|" + "---|" * len(ks),
+            row("`small` trained: median TPOT, ms", "", tk, "median_tpot_ms", "{:.2f}"),
+            row("... draft tokens accepted at each position", "", tk, "per_position_acceptance", ""),
+            row("... tokens per step (acceptance length)", "", tk, "acceptance_length", "{:.2f}"),
+            row("... speedup over k = 0", "", tk, "speedup_vs_k0", "{:.2f}x"),
+            row(f"`{dummy['preset']}`: batch-1 TPOT, ms", "", dk, "median_tpot_ms", "{:.2f}"),
+            row("... step time (TPOT x tokens per step) / decode step", "<= 1.15 at k = 1", dk, "step_over_k0",
+                "{:.3f}", bold="1"),
+            row("... batch-1 tok/s, a projection at the trained model's acceptance", "", projected, "tok_s", "{:.1f}",
+                base="tok_s"),
+            row(f"... {dummy['concurrency']} concurrent, output tok/s", "", dk, "concurrent_tok_s", "{:.0f}",
+                base="concurrent_tok_s"),
+            ""] + _commands(results, ["spec_decode"]) + [""]
+
+
+def _prefix_cache(results: dict) -> list[str]:
+    data = results.get("prefix_cache")
+    if not data or "uncached" not in data:
+        return []
+    on, off = data["cached"], data["uncached"]
+    per_turn = {what: " / ".join(_f(x["median_ttft_ms"], "{:.0f}") for x in turns) for what, turns in
+                (("on", on), ("off", off))}
+    return ["## Prefix caching: multi-turn chat", "",
+            f"`{data['preset']}` on random bf16 weights: {data['num_conversations']} conversations sharing a "
+            f"{data['system_len']}-token system prompt, {data['num_turns']} turns of {data['turn_len']}-token messages "
+            f"and {data['output_len']}-token replies, every conversation's turn at once; the same conversations with "
+            "the prefix cache on, then off, on one engine (stage `prefix_cache`).", "",
+            "| measure | target | measured |", "|---|---|---|",
+            f"| turn-{len(on)} median TTFT, off / on | >= 5x | **{_f(data['last_turn_ttft_speedup'], '{:.1f}x')}** "
+            f"({_f(off[-1]['median_ttft_ms'], '{:.0f}')} / {_f(on[-1]['median_ttft_ms'], '{:.0f}')} ms) |",
+            f"| single-request decode speed, on / off | 0.98 - 1.02 | "
+            f"**{_f(data['decode_cached_over_uncached'], '{:.3f}')}** ({_f(data['decode_cached'])} / "
+            f"{_f(data['decode_uncached'])} tok/s) |",
+            *(f"| median TTFT of each turn, {what}, ms | | {ttfts} |" for what, ttfts in per_turn.items()),
+            f"| whole workload, off / on; prompt tokens found cached | | {_f(data['total_speedup'], '{:.2f}x')}; "
+            f"{_pct(data['hit_rate'], 1)} |", ""] + _commands(results, ["prefix_cache"]) + [""]
+
+
+def _vision(results: dict) -> list[str]:
+    data = results.get("vision")
+    if not data or "text_same_len" not in data:
+        return []
+    v = data["vision_config"]
+    lines = ["## Images", "",
+             f"`{data['preset']}` with a vision tower of {v['depth']} layers, {v['hidden_size']} wide, random bf16 "
+             f"weights. One {' x '.join(map(str, data['image_size']))} image: {data['image_tokens']} image tokens "
+             f"(grid {' x '.join(map(str, data['grid_thw']))}), preprocessed on the host in "
+             f"{_f(data['preprocess_ms'])} ms and encoded in {_f(data['encode_ms'])} ms (medians of "
+             f"{data['encode_runs']}). Each request alone, {data['output_len']} tokens out, from an empty prefix "
+             f"cache, medians of {data['runs']} (stage `vision`).", "",
+             "| request | prompt tokens | TTFT ms | TPOT ms |", "|---|---|---|---|"]
+    for key, what in (("image", "text with the image"), ("text", "the same text"),
+                      ("text_same_len", "text of as many tokens as with the image")):
+        r = data[key]
+        lines.append(f"| {what} | {r['prompt_tokens']} | {_f(r['ttft_ms'])} | {_f(r['tpot_ms'], '{:.2f}')} |")
+    return lines + [""] + _commands(results, ["vision"]) + [""]
+
+
+def _structured(results: dict) -> list[str]:
+    data = results.get("structured")
+    if not data or "constrained_over_free" not in data:
+        return []
+    runs = data["runs"]
+    n = max(r["num_structured"] for r in runs)
+    return ["## Structured output", "",
+            f"`{data['preset']}` on random bf16 weights with the repository's tokenizer: {data['num_prompts']} "
+            f"requests at once ({data['input_len']} in / {data['output_len']} out), all free or {n} of them under a "
+            "JSON-records grammar (bench/offline.py), alternating (stage `structured`).", "",
+            "| measure | target | measured |", "|---|---|---|",
+            f"| output tok/s, {n} constrained / all free (medians) | >= 0.90 | "
+            f"**{_f(data['constrained_over_free'], '{:.3f}')}** ({_f(data['constrained_tok_s'], '{:.0f}')} / "
+            f"{_f(data['free_tok_s'], '{:.0f}')}) |",
+            "| each run in turn (free, constrained, ...), output tok/s | | "
+            + " / ".join(_f(r["output_throughput"], "{:.0f}") for r in runs) + " |", ""] + _commands(
+        results, ["structured"]) + [""]
+
+
 def _known_limits(results: dict) -> list[str]:
     lines = ["## Known limits", ""]
     conc = results.get("ours", {}).get("concurrency", {})
@@ -341,6 +447,7 @@ def render(results: dict, results_name: str) -> str:
              f"{results_name}; edit those, not this file -->", ""]
     for section in (_setup(results), _reproduce(results_name), _results_table(results), _concurrency(results),
                     _same_weights(results), _agreement(results), _table_on_host(results), _fp8(results),
+                    _spec_decode(results), _prefix_cache(results), _vision(results), _structured(results),
                     _known_limits(results)):
         lines += section
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -13,6 +13,10 @@ command, commit and versions that produced them, so stages may also run in separ
                   GPU memory: batch-1 decode, 64 concurrent requests, one layer's row gather; engines built in turn.
   fp8_128e, flash_next, agree_fp8   block-scaled fp8 (bench/fp8_stages.py): flash-next-128e in fp8 against bf16,
                   the released shape in fp8 on one GPU, and fp8's agreement with bf16 and with its CPU reference.
+  spec_decode, prefix_cache, vision, structured   the features (bench/feature_stages.py): MTP speculative decoding on
+                  `small` trained briefly and on flash-next-128e, multi-turn chat with the prefix cache on and off, one
+                  1024 x 1024 image through the released vision tower, 64 requests with a quarter under a grammar.
+                  Not run by default (about 25 minutes more on an H200): name them in --stages.
   report          docs/benchmarks.md and the concurrency plot from the results JSON (CPU only).
 """
 
@@ -30,9 +34,13 @@ import traceback
 
 # the default order: training before the suite's engine holds the GPU's memory, the stages that start engines of
 # their own (in this process or others) after it is freed
-STAGES = ("agree_trained", "agree_fp8", "ours", "hf", "throughput_cli", "table_on_host", "fp8_128e", "flash_next",
-          "report")
-DEFAULT_STAGES = ",".join(STAGES)
+DEFAULT_ORDER = ("agree_trained", "agree_fp8", "ours", "hf", "throughput_cli", "table_on_host", "fp8_128e",
+                 "flash_next", "report")
+# named in --stages only: they would make the default run about 25 minutes longer
+FEATURE_STAGES = ("spec_decode", "prefix_cache", "vision", "structured")
+STAGES = DEFAULT_ORDER[:-1] + FEATURE_STAGES + DEFAULT_ORDER[-1:]
+DEFAULT_STAGES = ",".join(DEFAULT_ORDER)
+TRAINING_STAGES = ("agree_trained", "agree_fp8", "spec_decode")
 RESULTS_NAME = "benchmarks_results.json"
 
 # the suite's engine: the step budget is the device's default for LLM (16384 on an H200), as a user's engine gets it
@@ -314,7 +322,7 @@ def canonical_command(args, stages: list[str]) -> str:
     parts = ["qwen4exp bench suite", "--stages", ",".join(stages)]
     if args.quick:
         parts.append("--quick")
-    if "agree_trained" in stages or "agree_fp8" in stages:
+    if any(s in TRAINING_STAGES for s in stages):
         for flag, value, default in (("--train-steps", args.train_steps, 3000),
                                      ("--train-seconds", args.train_seconds, 130),
                                      ("--train-chars", args.train_chars, 12_000_000)):
@@ -347,16 +355,18 @@ def _environment() -> dict:
 
 def add_suite_arguments(p) -> None:
     p.add_argument("--stages", default=DEFAULT_STAGES,
-                   help=f"comma-separated, run in this order, from {', '.join(STAGES)} (default: all)")
+                   help=f"comma-separated, run in this order, from {', '.join(STAGES)} (default: all but "
+                        f"{', '.join(FEATURE_STAGES)})")
     p.add_argument("--out", default="out", help="directory for the results JSON, benchmarks.md and the plot")
     p.add_argument("--results", default=None,
                    help=f"results JSON to update, and to report from (default: OUT/{RESULTS_NAME})")
     p.add_argument("--quick", action="store_true", help="ours: 32 output tokens at batch 1, no 32k prefill or sweep")
-    p.add_argument("--train-steps", type=int, default=3000, help="agree_trained: at most this many training steps")
+    training = ", ".join(TRAINING_STAGES)
+    p.add_argument("--train-steps", type=int, default=3000, help=f"{training}: at most this many training steps")
     p.add_argument("--train-seconds", type=float, default=130,
-                   help="agree_trained: as many steps as fit this time at the first steps' pace")
+                   help=f"{training}: as many steps as fit this time at the first steps' pace")
     p.add_argument("--train-chars", type=int, default=12_000_000,
-                   help="agree_trained: characters of standard-library source to train on (every tenth file held out)")
+                   help=f"{training}: characters of standard-library source to train on (every tenth file held out)")
 
 
 def parse_stages(text: str) -> list[str]:
@@ -370,7 +380,7 @@ def parse_stages(text: str) -> list[str]:
 
 
 def run(args) -> dict:
-    from . import fp8_stages
+    from . import feature_stages, fp8_stages
     from .report import write_report
 
     stages = parse_stages(args.stages)
@@ -425,10 +435,21 @@ def run(args) -> dict:
             elif stage == "agree_fp8":
                 fp8_stages.stage_agree_fp8(results, device, args.train_steps, args.train_seconds, args.train_chars,
                                            log)
+            elif stage == "spec_decode":
+                feature_stages.stage_spec_decode(results, device, log, args.train_steps, args.train_seconds,
+                                                 args.train_chars)
+            elif stage == "prefix_cache":
+                feature_stages.stage_prefix_cache(results, device, log)
+            elif stage == "vision":
+                feature_stages.stage_vision(results, device, log)
+            elif stage == "structured":
+                feature_stages.stage_structured(results, device, log)
             results.setdefault("errors", {}).pop(stage, None)
         except Exception:
             results.setdefault("errors", {})[stage] = traceback.format_exc()
             log(f"stage {stage} failed:\n{traceback.format_exc()}")
+        if engine is None:  # the engines a stage left behind, a failed one's included, before the next stage
+            return_gpu_memory()
         if not results.get("errors"):
             results.pop("errors", None)
         results.setdefault("stages", {})[stage] = provenance | {"seconds": time.perf_counter() - t0}

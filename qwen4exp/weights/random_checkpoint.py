@@ -89,22 +89,30 @@ PROCESSOR_PIXELS = {"tiny": (1024, 64 * 1024), "small": (4096, 256 * 1024)}
 RELEASED_PIXELS = (65536, 16777216)
 
 
-def vision_files(preset: str, hidden_size: int, special: dict[str, int]) -> tuple[dict, dict]:
-    """(config.json's vision fields: vision_config and the token ids, preprocessor_config.json) of `preset`."""
+def multimodal_config(preset: str, text: dict, special: dict[str, int]) -> dict:
+    """config.json of `preset`'s multimodal layout: transformers' `qwen4_exp` wrapper with the text config `text`
+    (without its quantization_config, which belongs at the top level) under text_config, the vision tower
+    (transformers' Qwen4ExpVisionConfig) and the vision token ids `special` of the tokenizer."""
     vision = dict(RELEASED_VISION, **VISION_PRESETS.get(preset, {}))
     vision.update(model_type="qwen4_exp_vision", hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden_size,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text["hidden_size"],
                   rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
-    fields = {"vision_config": vision, "image_token_id": special["<|image_pad|>"],
-              "video_token_id": special["<|video_pad|>"], "vision_start_token_id": special["<|vision_start|>"],
-              "vision_end_token_id": special["<|vision_end|>"]}
+    body = {k: v for k, v in text.items() if k not in ("architectures", "quantization_config")}
+    return {"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForConditionalGeneration"],
+            "text_config": dict(body, model_type="qwen4_exp_text"), "vision_config": vision,
+            "image_token_id": special["<|image_pad|>"], "video_token_id": special["<|video_pad|>"],
+            "vision_start_token_id": special["<|vision_start|>"], "vision_end_token_id": special["<|vision_end|>"],
+            "eos_token_id": text["eos_token_id"], "tie_word_embeddings": False, "dtype": text["dtype"]}
+
+
+def preprocessor_config(preset: str) -> dict:
+    """preprocessor_config.json of `preset`'s multimodal layout: transformers' Qwen2-VL image processor."""
     low, high = PROCESSOR_PIXELS.get(preset, RELEASED_PIXELS)
-    processor = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-                 "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-                 "size": {"shortest_edge": low, "longest_edge": high}}
-    return fields, processor
+    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+            "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+            "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "size": {"shortest_edge": low, "longest_edge": high}}
 
 
 def preset_config(preset: str, eos_token_id: int = 0, dtype: str = "bfloat16") -> dict:
@@ -183,13 +191,9 @@ def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 
         cfg["quantization_config"] = QuantizationConfig().to_dict()
     wrapper = None
     if vision:
-        fields, processor = vision_files(preset, cfg["hidden_size"], special)
         with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
-            json.dump(processor, f, indent=1)
-        text = {k: v for k, v in cfg.items() if k not in ("architectures", "quantization_config")}
-        wrapper = {"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForConditionalGeneration"],
-                   "text_config": dict(text, model_type="qwen4_exp_text"), **fields, "eos_token_id": eos,
-                   "tie_word_embeddings": False, "dtype": dtype}
+            json.dump(preprocessor_config(preset), f, indent=1)
+        wrapper = multimodal_config(preset, cfg, special)
 
     def write_config() -> None:
         out = cfg
