@@ -13,7 +13,8 @@
 
 Every stage takes the preset, engine options and workload as arguments (the suite's by default), so that tests run
 it on the CPU at the tiny preset's widths. Prefix caching is on by default and the benchmarks' prompts are seeded, so
-prompts repeat across runs on one engine: every timed run here starts from an empty prefix cache (`_cold`).
+prompts repeat across runs on one engine: every timed run starts from an empty prefix cache (bench/offline.py's
+runs, and `_alone` here).
 """
 
 from __future__ import annotations
@@ -35,11 +36,6 @@ MULTI_TURN = dict(num_conversations=16, num_turns=8, system_len=2000, turn_len=2
 
 def _spec(k: int) -> dict | None:
     return {"method": "mtp", "num_speculative_tokens": k} if k else None
-
-
-def _cold(engine) -> None:
-    """Forgets the prefix cache, so that a run does not find the pages of a run before it with the same prompts."""
-    engine.reset_prefix_cache()
 
 
 def _weights(hf) -> dict:
@@ -136,7 +132,6 @@ def spec_dummy(results, device, log, preset: str = OURS_PRESET, engine_options: 
             f"step {r['step_ms']:.2f} ms = {r['step_over_k0']:.3f} x k=0")
         results.save()
         if k in concurrent_ks:
-            _cold(engine)
             r["concurrent"] = run = throughput(engine, concurrency, concurrent_input_len, concurrent_output_len)
             r["concurrent_tok_s"] = run["output_throughput"]
             log(f"spec_decode, {preset}, k={k}: {concurrency} concurrent {run['output_throughput']:.0f} tok/s, "
@@ -195,7 +190,7 @@ def _alone(engine, prompt: dict, output_len: int) -> tuple[float, float, int]:
     prefix cache; the image processor's work is in the TTFT, as a user's request has it."""
     from .offline import _sync
 
-    _cold(engine)
+    engine.reset_prefix_cache()  # a request alone finds nothing of the runs before it
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     _sync(engine)
     t0 = time.perf_counter()
@@ -300,7 +295,6 @@ def stage_structured(results, device, log, preset: str = OURS_PRESET, engine_opt
                                  "runs": []}
     for _ in range(repeats):
         for share in (0.0, fraction):
-            _cold(engine)
             x = throughput(engine, num_prompts, input_len, output_len, share)
             r["runs"].append({"structured_fraction": share, "num_structured": x["num_structured"],
                               "output_throughput": x["output_throughput"], "median_tpot_ms": x["median_tpot_ms"],
