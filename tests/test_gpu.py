@@ -296,3 +296,47 @@ def test_gpu_speculative_decoding_equals_decoding_without_it(k, tmp_path):
         assert replayed, "decode and verify steps must replay the speculative graphs"
         assert bool(draft_replayed) == (drafts == "mtp"), "draft steps must replay the draft layer's graphs"
         assert llm.llm_engine.cache.all_free()
+
+
+def test_gpu_decode_of_requests_with_images_replays_graphs_and_equals_the_cpu(tmp_path):
+    """Requests with images on the GPU: the steps that feed image tokens run eagerly, the decodes after them replay
+    CUDA graphs at offset rotary positions (StepLayout.text_rope), beside a text-only request. Greedy tokens and
+    logprobs equal the CPU reference's, fp32."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from qwen4exp import LLM
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    d = make_random(str(tmp_path), "tiny", dtype="float32", vision=True, seed=3)
+    cfg = json.load(open(f"{d}/config.json"))
+    start, pad, end = cfg["vision_start_token_id"], cfg["image_token_id"], cfg["vision_end_token_id"]
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in ((64, 32), (48, 48))]
+    gen = torch.Generator().manual_seed(2)
+    text = [random_prompt(gen, n, 400) for n in (12, 9, 20)]
+    requests = [{"prompt_token_ids": text[0] + [start, pad, end] + text[1], "multi_modal_data": {"image": images[:1]}},
+                {"prompt_token_ids": [start, pad, end] + text[2] + [start, pad, end],
+                 "multi_modal_data": {"image": images}},
+                {"prompt_token_ids": text[2]}]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(d, device=device, dtype="float32", max_model_len=512, max_num_seqs=4)
+        replays = []
+        graphs = llm.llm_engine.runner.graphs
+        if device == "cuda":
+            assert graphs is not None
+            run = graphs._run
+            graphs._run = lambda key: replays.append(key) or run(key)
+        outs[device] = llm.generate(requests, params, use_tqdm=False)
+        assert llm.llm_engine.cache.all_free()
+        if device == "cuda":
+            assert len(replays) >= 14  # the decodes of all three after their prefills
+    for ref, out in zip(outs["cpu"], outs["cuda"]):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        lp = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        lp_ref = [d[t].logprob for d, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_ref), atol=2e-3, rtol=0)

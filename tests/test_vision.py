@@ -327,3 +327,47 @@ def test_config_errors_name_the_field(vision_dir, tmp_path):
         path.write_text(json.dumps(dict(raw, vision_config=dict(raw["vision_config"], **{key: value}))))
         with pytest.raises(ConfigError, match=field):
             load_model_config(str(tmp_path / "m"))
+
+
+def test_text_steps_of_a_request_with_images_are_1d_rotary_at_offset_positions(llm):
+    """A step of a request with images that feeds no image token (a decode, text after an image) has equal M-RoPE
+    rows, which CUDA graphs take as 1-D rotary at the logical position plus an offset (StepLayout.text_rope): the
+    cos/sin equal M-RoPE's exactly, for tokens and completed QSA blocks. A step that feeds image tokens, or completes
+    a block that starts inside an image, has no such form and runs eagerly."""
+    from qwen4exp.engine.step_builder import RequestChunk, StepBuilder
+
+    engine = llm.llm_engine
+    config, rotary = engine.model_config, engine.model.model.rotary_emb
+    C = config.indexer_compress_ratio
+    builder = StepBuilder(config, 8)
+    gen = torch.Generator().manual_seed(7)
+    ids, mm = engine.mm_processor.prepare(with_placeholders(gen, [9, 14], 280), [image(16, 32, 1)])
+    im = mm.images[0]
+    pages = list(range(1, 1 + 64 // 8))
+
+    def layout(start: int, end: int, features: bool = False):
+        chunk = RequestChunk(ids[start:end] if end <= len(ids) else [5] * (end - start), start, ids[:start], pages,
+                             1, end - start - 1, mm=mm, mm_features=[(0, torch.zeros(1, 1))] if features else [])
+        return builder.build([chunk], multimodal=True)
+
+    def rope(positions):
+        return rotary(torch.as_tensor(positions), torch.float32)
+
+    text_steps = [(len(ids) + 6, len(ids) + 7),  # a decode after the prompt
+                  (im.offset + im.length + 1 + C, len(ids))]  # the text after the image
+    for start, end in text_steps:
+        lay = layout(start, end)
+        text = lay.text_rope()
+        assert text is not None, (start, end)
+        for a, b in zip(rope(lay.rope_positions), rope(lay.positions + text[0])):
+            assert torch.equal(a, b)
+        assert len(text[1]) == len(lay.new_block_positions)
+        for a, b in zip(rope(lay.rope_block_positions), rope(text[1])):
+            assert torch.equal(a, b)
+    assert layout(len(ids) + 6, len(ids) + 7).text_rope()[0].tolist() == [mm.delta] and mm.delta < 0
+    assert (layout(*text_steps[1]).text_rope()[0] == mm.delta).all()
+    assert layout(im.offset, im.offset + im.length, features=True).text_rope() is None
+    # the first text token whose step completes a block starting inside the image
+    end_of_block = next(p for p in range(im.offset + im.length, len(ids)) if (p + 1) % C == 0)
+    assert end_of_block - C + 1 < im.offset + im.length
+    assert layout(im.offset + im.length, end_of_block + 1).text_rope() is None

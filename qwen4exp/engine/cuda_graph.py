@@ -12,6 +12,11 @@ qualifies when it fits the largest bucket and wants at most its requests' last r
 steps that want more rows (prompt logprobs, speculative verification), stay eager.
 Every op on these paths is a fast path without host syncs (see ops/).
 
+Images: a graph computes rotary positions as the logical positions plus a per-token offset (zero but in steps with
+images), so the steps of a request with images that feed no image token (its decode steps, text chunks after its
+images) replay graphs: there M-RoPE's three rows are equal, which is 1-D rotary at the offset position
+(StepLayout.text_rope). Steps that feed image tokens run eagerly.
+
 Speculative decoding (`speculative`, k drafts): every step returns its multi-stream states for the draft layer, so
 the runner captures mixed-layout graphs only, over token counts (1 + k) x the batch-size buckets (up to the step
 budget), each returning the logits of every row and the states; a step of decodes, verified requests (their state
@@ -26,6 +31,7 @@ token and every row's states.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -74,7 +80,7 @@ class CUDAGraphRunner:
             ngram_context=torch.zeros(B, max(c.ngram_size - 1, 0), **z),
             has_initial=torch.zeros(B, dtype=torch.bool, device=self.device),
             new_block_token_slots=torch.zeros(B, C, **z), new_block_slots=torch.zeros(B, **z),
-            new_block_positions=torch.zeros(B, **z),
+            new_block_positions=torch.zeros(B, **z), rope_offset=torch.zeros(B, **z),
         )
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self.arange = torch.arange(B, **z)
@@ -110,8 +116,9 @@ class CUDAGraphRunner:
             ngram_context=torch.zeros(R, max(c.ngram_size - 1, 0), **z),
             has_initial=torch.zeros(R, dtype=torch.bool, device=self.device), logits_indices=torch.zeros(R, **z),
             new_block_token_slots=torch.zeros(nb, C, **z), new_block_slots=torch.zeros(nb, **z),
-            new_block_positions=torch.zeros(nb, **z),
+            new_block_positions=torch.zeros(nb, **z), rope_offset=torch.zeros(T, **z),
         )
+        self.rope_offsets_set = False  # some rope_offset buffer holds a step's non-zero offsets
         self.draft = draft
         if draft:  # the multi-stream state of each row, the draft layer's input
             self.streams_in = torch.zeros(T, c.hc_count * c.hidden_size, dtype=model.lm_head.weight.dtype,
@@ -160,9 +167,10 @@ class CUDAGraphRunner:
         hidden = self.model(meta, self.cache)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
-    def _capture_one(self, key: tuple, meta: StepMetadata, rows: torch.Tensor | None) -> None:
-        def run():
-            return self.forward(meta, rows)
+    def _capture_one(self, key: tuple, meta: StepMetadata, rows: torch.Tensor | None,
+                     rope_offset: torch.Tensor) -> None:
+        def run():  # the rotary positions are computed inside the graph, from the buffers a replay fills
+            return self.forward(dataclasses.replace(meta, positions=meta.token_pos + rope_offset), rows)
 
         for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
             run()
@@ -182,10 +190,10 @@ class CUDAGraphRunner:
             self.mbuf["query_start_loc"].copy_(torch.tensor([0] * self.mixed_reqs + [T]))
             self._fill_mixed_padding(T, 0)
             meta = self._mixed_meta(T, max_len)
-            self._capture_one(("mixed", T, max_len), meta, meta.logits_indices)
+            self._capture_one(("mixed", T, max_len), meta, meta.logits_indices, self.mbuf["rope_offset"][:T])
         for n, max_len in [(n, v) for n in sorted(self.buckets, reverse=True) for v in self.variants
                            if not self.speculative]:
-            self._capture_one((n, max_len), self._meta(n, max_len), None)
+            self._capture_one((n, max_len), self._meta(n, max_len), None, self.buf["rope_offset"][:n])
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs%s (decode batch sizes %s, mixed-step token counts %s, context bounds "
                     "%s) in %.1f s", len(self.graphs), " of the draft layer" if self.draft else "", self.buckets,
@@ -217,16 +225,22 @@ class CUDAGraphRunner:
                 and all(c.logits_from >= len(c.token_ids) - 1 for c in chunks))
 
     @torch.inference_mode()
-    def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None) -> torch.Tensor | tuple:
+    def execute(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None,
+                multimodal: bool = False) -> torch.Tensor | tuple | None:
         """The step's wanted logits rows (ModelRunner.execute); with speculation also every row's multi-stream
-        states, in the order of the chunks."""
+        states, in the order of the chunks. multimodal (a chunk has images): None, running nothing, when the step
+        is not all text (StepLayout.text_rope)."""
         if self.speculative:
             key, wanted = self.prepare_mixed(chunks, pending_ids)
             logits, streams = self._run(key)
             return logits[host_to_device(wanted, logits.device)], streams[: sum(len(c.token_ids) for c in chunks)]
+        layout = self.builder.build(chunks, multimodal)
+        text = layout.text_rope() if multimodal else None
+        if multimodal and text is None:
+            return None
         if all(len(c.token_ids) == 1 for c in chunks):
-            return self._execute_decode(self.builder.build(chunks), pending_ids)
-        key, wanted = self.prepare_mixed(chunks, pending_ids)
+            return self._execute_decode(layout, pending_ids, text)
+        key, wanted = self.prepare_mixed(chunks, pending_ids, layout, text)
         logits = self._run(key)
         return logits[host_to_device(wanted, logits.device)]  # a gather: a copy of the rows
 
@@ -272,11 +286,13 @@ class CUDAGraphRunner:
             tables[:, width:width_before].zero_()
         return width
 
-    def prepare_mixed(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None):
+    def prepare_mixed(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None,
+                      layout: StepLayout | None = None, text: tuple[np.ndarray, np.ndarray] | None = None):
         """Fills the mixed buffers for a step (see can_run); returns the key of the graph to replay and the rows of its
         logits that the step wants, in chunk order (one per request row; with speculation, every row's logits are
-        computed and these are the rows from each chunk's logits_from)."""
-        layout = self.builder.build(chunks)
+        computed and these are the rows from each chunk's logits_from). `layout`: the chunks' (built here when
+        None); `text`: its text_rope() in a step with images."""
+        layout = layout or self.builder.build(chunks)
         n, R, total = layout.num_reqs, self.mixed_reqs, layout.num_tokens
         T = next(t for t in self.mixed_sizes if t >= total)
         b, put = self.mbuf, self._put
@@ -294,8 +310,10 @@ class CUDAGraphRunner:
         put(b["logits_indices"], np.array(qsl[1: n + 1], dtype=np.int64) - 1, empty)
         nb = T // self.C + R
         pad_blocks = nb - layout.new_block_slots.shape[0]
-        for name in ("new_block_token_slots", "new_block_slots", "new_block_positions"):
+        for name in ("new_block_token_slots", "new_block_slots"):
             put(b[name], getattr(layout, name), pad_blocks)
+        put(b["new_block_positions"], layout.new_block_positions if text is None else text[1], pad_blocks)
+        self._put_rope_offset(b["rope_offset"], text, T)
         self.mixed_table_width = self._put_tables(b["block_tables"], layout, R, self.mixed_table_width)
         if "state_token_slots" in b:
             token_slots = layout.state_token_slots
@@ -307,7 +325,19 @@ class CUDAGraphRunner:
                   else layout.token_req[layout.logits_indices])
         return ("mixed", T, self._variant(layout)), wanted
 
-    def _execute_decode(self, layout: StepLayout, pending_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _put_rope_offset(self, buf: torch.Tensor, text: tuple[np.ndarray, np.ndarray] | None, rows: int) -> None:
+        """The rotary offsets of a step with images (text[0], then zeros up to `rows`); in other steps zeros, which
+        the buffers keep until a step with images writes them."""
+        if text is not None:
+            self._put(buf, text[0], rows - len(text[0]))
+            self.rope_offsets_set = True
+        elif self.rope_offsets_set:
+            self.buf["rope_offset"].zero_()
+            self.mbuf["rope_offset"].zero_()
+            self.rope_offsets_set = False
+
+    def _execute_decode(self, layout: StepLayout, pending_ids: torch.Tensor | None = None,
+                        text: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
         n = layout.num_reqs
         bucket = next(b for b in self.buckets if b >= n)
         buf, put, pad = self.buf, self._put, bucket - n
@@ -320,13 +350,15 @@ class CUDAGraphRunner:
             put(buf["ngram_context"], layout.ngram_context, pad, self.eos)
         # one QSA block row per request: the block its token completes, else the null page's
         blocks = layout.new_block_rows
-        for name in ("new_block_token_slots", "new_block_slots", "new_block_positions"):
-            rows = getattr(layout, name)
+        block_positions = layout.new_block_positions if text is None else text[1]
+        for name, rows in (("new_block_token_slots", layout.new_block_token_slots),
+                           ("new_block_slots", layout.new_block_slots), ("new_block_positions", block_positions)):
             if rows.shape[0] != bucket:
                 full = np.zeros((bucket, *rows.shape[1:]), dtype=rows.dtype)
                 full[blocks] = rows
                 rows = full
             put(buf[name], rows)
+        self._put_rope_offset(buf["rope_offset"], text, bucket)
         fill_pending(buf["input_ids"], layout.pending, pending_ids)
         self.table_width = self._put_tables(buf["block_tables"], layout, bucket, self.table_width)
         logits = self._run((bucket, self._variant(layout)))

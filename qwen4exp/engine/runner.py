@@ -49,11 +49,13 @@ class ModelRunner:
         multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), from the speculative graphs
         (cuda_graph.py; then a view of the graph's output, valid until the next step is launched) or eagerly.
 
-        multimodal: some chunk has images (RequestChunk.mm). Such steps run eagerly: the graphs' buffers hold
-        logical positions as the rotary positions and no image features."""
+        multimodal: some chunk has images (RequestChunk.mm). A step that feeds image tokens runs eagerly (graphs
+        take no image features); the others replay graphs where their rotary positions allow (cuda_graph.py)."""
         if (self.graphs is not None and return_streams == bool(self.graphs.speculative)
-                and not multimodal and self.graphs.can_run(chunks, mixed=mixed_graphs)):
-            return self.graphs.execute(chunks, pending_ids)
+                and not any(c.mm_features for c in chunks) and self.graphs.can_run(chunks, mixed=mixed_graphs)):
+            out = self.graphs.execute(chunks, pending_ids, multimodal)
+            if out is not None:
+                return out
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)  # decodes first
         ordered = [chunks[i] for i in order]
         layout = self.builder.build(ordered, multimodal)

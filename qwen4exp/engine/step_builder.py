@@ -111,6 +111,16 @@ class StepLayout:
         """[R] bool: the request has cached state."""
         return np.asarray(self.context_lens) > 0
 
+    def text_rope(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """A step with images (rope_positions set) whose tokens and completed blocks are all text, where M-RoPE's
+        t, h and w rows are equal and it is 1-D rotary at that position: (each token's rotary offset from its
+        logical position [T], the blocks' rotary positions [NB]), which a CUDA graph's 1-D buffers take. None when
+        the step feeds image tokens or some rotary position has distinct rows."""
+        rope, block = self.rope_positions, self.rope_block_positions
+        if self.mm_rows is not None or (rope != rope[:1]).any() or (block != block[:1]).any():
+            return None
+        return rope[0] - self.positions, block[0]
+
     def to_metadata(self, device) -> StepMetadata:
         """The layout on `device` as an eager step's metadata (host copies included)."""
         def dev(array):
