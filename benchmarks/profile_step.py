@@ -1,8 +1,8 @@
 """Where a step's time goes on the GPU: every kernel of a CUDA-graph decode step (batch 1 and 64) and of an eager
 prefill step (one 8k prompt) in order, with the idle gap before each, and the prefill / decode split of the
-64-request run (1k in / 256 out). flash-next-128e, bf16 random weights.
+64-request run (1k in / 256 out). flash-next-128e, random weights in bf16 (or fp8 with --quantization fp8).
 
-    python benchmarks/profile_step.py --out OUT [--parts decode,prefill,phases]
+    python benchmarks/profile_step.py --out OUT [--parts decode,prefill,phases] [--quantization fp8]
 
 Writes OUT/step_profile.json and, per profiled step, OUT/<step>_kernels.txt. Kernel times come from the torch
 profiler (CUPTI sees the kernels inside a graph replay); a step's wall time is measured around `engine.step()`,
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="flash-next-128e")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="the engine's step budget (its warm-up compiles prefill shapes up to it)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="block-scaled fp8 weights, built in place")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     unknown = [p for p in parts if p not in PARTS]
@@ -164,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = preset_model_config(args.preset)
     ecfg = EngineConfig(max_model_len=min(33 * 1024, cfg.max_position_embeddings), max_num_seqs=64,
                         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.92,
-                        cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
+                        cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64], quantization=args.quantization)
     engine, startup = dummy_engine(cfg, ecfg, torch.device("cuda"))
-    results = {"startup_s": startup, "device": torch.cuda.get_device_name(0)}
+    results = {"startup_s": startup, "device": torch.cuda.get_device_name(0), "quantization": args.quantization}
     path = os.path.join(args.out, "step_profile.json")
     for part in parts:
         if part == "decode":
