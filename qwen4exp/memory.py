@@ -91,6 +91,7 @@ class MemoryPlan:
     weights: dict[str, int] = field(default_factory=dict)  # bytes on the device by dtype
     tables: tuple[int, str] | None = None  # (bytes, where) of the n-gram tables
     reserve: int | None = None  # bytes the share leaves for activations and CUDA graphs (GPU)
+    pages_from_budget: bool = False  # num_pages is what the budget holds (not a given num_pages)
 
     @property
     def pages_per_sequence(self) -> int:
@@ -100,6 +101,14 @@ class MemoryPlan:
     def max_concurrent(self) -> int:
         """Sequences of max_model_len tokens the pages hold at once, within max_num_seqs."""
         return min(self.max_num_seqs, (self.num_pages - 1) // self.pages_per_sequence)
+
+    @property
+    def max_concurrent_without_checkpoints(self) -> int:
+        """max_concurrent if prefix caching's checkpoint slots were pages instead (the budget's pages only)."""
+        if not (self.checkpoint_slots and self.pages_from_budget):
+            return self.max_concurrent
+        pages = self.num_pages + self.checkpoint_slots * self.slot_bytes // self.page_bytes
+        return min(self.max_num_seqs, (pages - 1) // self.pages_per_sequence)
 
     def lines(self) -> list[str]:
         usable = self.num_pages - 1
@@ -119,8 +128,11 @@ class MemoryPlan:
                     f"{self.page_size} tokens = {usable * self.page_size} tokens)")
         if self.reserve is not None:
             rows.append(f"  activations, CUDA graphs {_gib(self.reserve):>4}  (what gpu_memory_utilization leaves)")
+        without = self.max_concurrent_without_checkpoints
         rows.append(f"  concurrent sequences of max_model_len {self.max_model_len}: {self.max_concurrent} "
-                    f"(max_num_seqs {self.max_num_seqs})")
+                    f"(max_num_seqs {self.max_num_seqs})" + (f"; {without} with --no-enable-prefix-caching, whose "
+                                                           "checkpoint slots would be pages"
+                                                           if without > self.max_concurrent else ""))
         return rows
 
 
@@ -131,6 +143,7 @@ def plan_cache(plan: MemoryPlan, num_pages: int | None = None, hints: tuple[str,
     they hold less (logged). Raises InsufficientMemoryError when they cannot hold one sequence of max_model_len,
     naming the largest max_model_len and max_num_seqs that would fit; `hints` are further changes to suggest."""
     slots = plan.num_slots * plan.slot_bytes
+    plan.pages_from_budget = num_pages is None
     if num_pages is None:
         num_pages = max(plan.budget - slots, 0) // plan.page_bytes
     plan.num_pages = int(num_pages)
@@ -150,6 +163,8 @@ def plan_cache(plan: MemoryPlan, num_pages: int | None = None, hints: tuple[str,
     seqs = (plan.budget - one_sequence - plan.slot_bytes) // (plan.slot_bytes * per_seq_slots)
     if 0 < seqs < plan.max_num_seqs:
         fixes.append(f"--max-num-seqs {seqs}")
+    if plan.checkpoint_slots and plan.pages_from_budget and plan.max_concurrent_without_checkpoints >= 1:
+        fixes.append("--no-enable-prefix-caching")
     fixes += hints
     per = "one" if plan.slots_per_sequence == 1 else f"{plan.slots_per_sequence} (speculative decoding)"
     if plan.checkpoint_slots:

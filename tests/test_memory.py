@@ -62,3 +62,25 @@ def test_a_cache_without_room_for_one_sequence_names_the_largest_settings_that_f
 
 def test_num_pages_given_is_kept():
     assert plan_cache(plan(100.0), num_pages=4097).num_pages == 4097
+
+
+def test_prefix_caching_checkpoints_say_what_turning_them_off_would_hold():
+    """Prefix caching's checkpoint slots (max_num_seqs more state slots) take memory the pages could use: the table
+    says how many sequences of max_model_len --no-enable-prefix-caching would hold, and the error names it when
+    that alone makes one sequence fit."""
+    def with_checkpoints(budget_gib):
+        p = plan(budget_gib, max_num_seqs=32)
+        p.checkpoint_slots, p.num_slots = 32, 2 * 32 + 1
+        return p
+
+    p = plan_cache(with_checkpoints(13.0))
+    off = plan_cache(plan(13.0, max_num_seqs=32))
+    assert p.max_concurrent < off.max_concurrent == p.max_concurrent_without_checkpoints
+    text = "\n".join(p.lines())
+    assert f": {p.max_concurrent} (max_num_seqs 32); {off.max_concurrent} with --no-enable-prefix-caching" in text
+    assert "--no-enable-prefix-caching" not in "\n".join(off.lines())
+    with pytest.raises(InsufficientMemoryError, match="--no-enable-prefix-caching"):
+        plan_cache(with_checkpoints(6.0))
+    assert plan_cache(plan(6.0, max_num_seqs=32)).max_concurrent >= 1
+    given = plan_cache(with_checkpoints(13.0), num_pages=9000)  # given pages: no trade to offer
+    assert "--no-enable-prefix-caching" not in "\n".join(given.lines())
