@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from qwen4exp.config import ModelConfig
+from qwen4exp.engine.cuda_graph import CUDAGraphRunner
 from qwen4exp.weights.init import fill_
 
 EOS = 1
@@ -147,3 +148,21 @@ def run_arriving(engine, prompts: list[list[int]], params: list, rng, max_arriva
         steps += 1
         assert steps < max_steps
     return outputs
+
+
+class EagerBufferRunner(CUDAGraphRunner):
+    """CUDAGraphRunner whose replays run eagerly (no capture: the CPU) on the metadata a graph captures, buffers and
+    padding filled as for a replay: its host copies are unset, so an op that read them on the in-graph path would
+    raise."""
+
+    def _run(self, key):
+        self.variants_used.add(key[-1])
+        return self.graph_step(*self.graph_inputs(key))
+
+
+def graph_runner(llm, cls=EagerBufferRunner, *args, **kw):
+    """A graph runner over `llm`'s model and cache tensors."""
+    engine = llm.llm_engine
+    graphs = cls(engine.model, engine.runner.cache, engine.cache.page_size, *args, **kw)
+    graphs.variants_used = set()
+    return graphs

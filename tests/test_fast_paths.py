@@ -3,33 +3,13 @@ CUDA-graph metadata buffers give the reference's tokens. On CPU the Triton kerne
 
 import pytest
 import torch
-from helpers import hf_config, hf_model, our_llm, random_prompt
+from helpers import EagerBufferRunner, graph_runner, hf_config, hf_model, our_llm, random_prompt
 
 import qwen4exp.ops as ops
 from qwen4exp import SamplingParams
 from qwen4exp.engine.cuda_graph import CUDAGraphRunner
 
 pytest.importorskip("triton")
-
-
-class EagerBufferRunner(CUDAGraphRunner):
-    """The graph runner's buffer filling and padding, executed eagerly (no capture: CPU) on the metadata a graph
-    captures: its host copies are unset, so an op that read them on the in-graph path would raise."""
-
-    def _run(self, key):
-        self.variants_used.add(key[-1])
-        if key[0] != "mixed":
-            return self.model.compute_logits(self.model(self._meta(*key), self.cache))
-        meta = self._mixed_meta(*key[1:])
-        return self.model.compute_logits(self.model(meta, self.cache)[meta.logits_indices])
-
-
-def graph_runner(llm, cls=EagerBufferRunner, *args, **kw):
-    """A graph runner over `llm`'s model and cache tensors."""
-    engine = llm.llm_engine
-    graphs = cls(engine.model, engine.runner.cache, engine.cache.page_size, *args, **kw)
-    graphs.variants_used = set()
-    return graphs
 
 
 @pytest.fixture(scope="module")

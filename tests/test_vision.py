@@ -37,11 +37,16 @@ def processor():
 
 @pytest.fixture(scope="module")
 def hf():
+    return vl_model()
+
+
+def vl_model(**text_overrides):
+    """transformers' Qwen4ExpForConditionalGeneration with the tiny vision tower, random weights."""
     from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
             "mrope_interleaved": True}
-    text = hf_config(rope_parameters=rope)
+    text = hf_config(rope_parameters=rope, **text_overrides)
     config = Qwen4ExpConfig(text_config=text.to_dict(), vision_config=VISION, image_token_id=IMAGE,
                             video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     torch.manual_seed(0)
@@ -371,3 +376,47 @@ def test_text_steps_of_a_request_with_images_are_1d_rotary_at_offset_positions(l
     end_of_block = next(p for p in range(im.offset + im.length, len(ids)) if (p + 1) % C == 0)
     assert end_of_block - C + 1 < im.offset + im.length
     assert layout(im.offset + im.length, end_of_block + 1).text_rope() is None
+
+
+def test_decodes_of_requests_with_images_through_the_graph_buffers_equal_the_eager_path(monkeypatch):
+    """Through the CUDA-graph runner's buffers (replays run eagerly on the CPU, on the metadata a graph captures:
+    rotary positions = logical + the offset buffer): the decodes of requests with images replay graphs at their
+    offset positions, beside a text-only request, and give the eager reference's tokens and logprobs. (A QSA budget
+    past every context here: block selection breaks ties of zero scores by its row's length, which differs between
+    a graph's rows and an eager step's.)"""
+    from helpers import EagerBufferRunner, graph_runner
+
+    import qwen4exp.ops as ops
+    from qwen4exp import LLM
+
+    hf = vl_model(indexer_budget=64)
+
+    def vl_llm():
+        return LLM(None, model_config=our_config(hf), weights=hf.state_dict().items(), image_processor=processor(),
+                   max_model_len=512, num_pages=256, page_size=8, device="cpu", dtype="float32",
+                   max_num_batched_tokens=24)
+
+    gen = torch.Generator().manual_seed(9)
+    pieces = [([9, 14], [(16, 32)]), ([0, 6, 3], [(24, 16), (16, 16)]), ([21], [])]
+    requests = []
+    for seed, (lengths, sizes) in enumerate(pieces):
+        ims = [image(w, h, 40 + seed * 10 + i) for i, (w, h) in enumerate(sizes)]
+        requests.append({"prompt_token_ids": with_placeholders(gen, lengths, 280),
+                         **({"multi_modal_data": {"image": ims}} if ims else {})})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    ref = vl_llm().generate(requests, params, use_tqdm=False)
+
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    fast = vl_llm()
+    graphs = fast.llm_engine.runner.graphs = graph_runner(fast, EagerBufferRunner, 512, 4, "cpu", buckets=[1, 2, 4])
+    offsets = []
+    put = graphs._put_rope_offset
+    graphs._put_rope_offset = lambda buf, text, rows: offsets.append(text is not None) or put(buf, text, rows)
+    outs = fast.generate(requests, params, use_tqdm=False)
+    assert sum(offsets) >= 4, "the decodes of the requests with images must replay graphs"
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        lp_ref = [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_ref), atol=1e-4, rtol=0)
+    assert fast.llm_engine.cache.all_free()

@@ -31,7 +31,7 @@ token and every row's states.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import logging
 import time
 
@@ -167,10 +167,25 @@ class CUDAGraphRunner:
         hidden = self.model(meta, self.cache)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
-    def _capture_one(self, key: tuple, meta: StepMetadata, rows: torch.Tensor | None,
-                     rope_offset: torch.Tensor) -> None:
-        def run():  # the rotary positions are computed inside the graph, from the buffers a replay fills
-            return self.forward(dataclasses.replace(meta, positions=meta.token_pos + rope_offset), rows)
+    def graph_inputs(self, key: tuple) -> tuple[StepMetadata, torch.Tensor | None, torch.Tensor]:
+        """The graph of `key` reads: the metadata over the buffers, its wanted rows (None: all) and its rotary
+        offsets."""
+        if key[0] == "mixed":
+            meta = self._mixed_meta(key[1], key[2])
+            return meta, meta.logits_indices, self.mbuf["rope_offset"][: key[1]]
+        return self._meta(*key), None, self.buf["rope_offset"][: key[0]]
+
+    def graph_step(self, meta: StepMetadata, rows: torch.Tensor | None, rope_offset: torch.Tensor):
+        """What a graph runs: the rotary positions from the buffers (logical + offset), then `forward`."""
+        meta = copy.copy(meta)  # not dataclasses.replace, which would read the unset host fields
+        meta.positions = meta.token_pos + rope_offset
+        return self.forward(meta, rows)
+
+    def _capture_one(self, key: tuple) -> None:
+        inputs = self.graph_inputs(key)
+
+        def run():
+            return self.graph_step(*inputs)
 
         for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
             run()
@@ -189,11 +204,10 @@ class CUDAGraphRunner:
             # largest first so smaller graphs reuse its pool; captured with every token in the padding request
             self.mbuf["query_start_loc"].copy_(torch.tensor([0] * self.mixed_reqs + [T]))
             self._fill_mixed_padding(T, 0)
-            meta = self._mixed_meta(T, max_len)
-            self._capture_one(("mixed", T, max_len), meta, meta.logits_indices, self.mbuf["rope_offset"][:T])
+            self._capture_one(("mixed", T, max_len))
         for n, max_len in [(n, v) for n in sorted(self.buckets, reverse=True) for v in self.variants
                            if not self.speculative]:
-            self._capture_one((n, max_len), self._meta(n, max_len), None, self.buf["rope_offset"][:n])
+            self._capture_one((n, max_len))
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs%s (decode batch sizes %s, mixed-step token counts %s, context bounds "
                     "%s) in %.1f s", len(self.graphs), " of the draft layer" if self.draft else "", self.buckets,
