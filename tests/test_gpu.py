@@ -301,7 +301,8 @@ def test_gpu_speculative_decoding_equals_decoding_without_it(k, tmp_path):
 def test_gpu_decode_of_requests_with_images_replays_graphs_and_equals_the_cpu(tmp_path):
     """Requests with images on the GPU: the steps that feed image tokens run eagerly, the decodes after them replay
     CUDA graphs at offset rotary positions (StepLayout.text_rope), beside a text-only request. Greedy tokens and
-    logprobs equal the CPU reference's, fp32."""
+    logprobs equal the CPU reference's, fp32. (A QSA budget past every context: block selection breaks ties of zero
+    scores by its row's length, which differs between graph rows, eager steps and the reference.)"""
     import json
 
     import numpy as np
@@ -310,7 +311,7 @@ def test_gpu_decode_of_requests_with_images_replays_graphs_and_equals_the_cpu(tm
     from qwen4exp import LLM
     from qwen4exp.weights.random_checkpoint import make_random
 
-    d = make_random(str(tmp_path), "tiny", dtype="float32", vision=True, seed=3)
+    d = make_random(str(tmp_path), "tiny", dtype="float32", vision=True, seed=3, overrides={"indexer_budget": 256})
     cfg = json.load(open(f"{d}/config.json"))
     start, pad, end = cfg["vision_start_token_id"], cfg["image_token_id"], cfg["vision_end_token_id"]
     rng = np.random.default_rng(0)
