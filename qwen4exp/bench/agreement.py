@@ -78,17 +78,10 @@ def trained_agreement(device, steps: int, seconds: float | None = None, batch: i
     """`small` trained with transformers on the machine's Python standard library (train_small.train), then bf16 on
     `device` vs CPU fp32 on `spans` spans of held-out files, teacher forcing. The reference runs once on the trained
     fp32 weights and once on the bf16 checkpoint they round to (the form a model is released in)."""
-    from ..config import ModelConfig
-    from .train_small import train
+    from .train_small import train_for_engines
 
-    hf, held, _, record = train(device, steps, batch=batch, seq_len=seq_len, seconds=seconds,
-                                corpus_chars=corpus_chars, log=log)
-    cfg = ModelConfig.from_hf(hf.config)
-    weights = {n: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
-               for n, t in hf.state_dict().items()}
-    del hf
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    cfg, weights, held, record = train_for_engines(device, steps, log, batch=batch, seq_len=seq_len, seconds=seconds,
+                                                   corpus_chars=corpus_chars)
     seqs = [held[i * 4096: i * 4096 + span_len] for i in range(spans)]  # spans of held-out files, 4096 tokens apart
     r = {"preset": "small", "device": str(device), "spans": spans, "span_len": span_len, "training": record}
     r["fp32_weights"] = top1_agreement(cfg, weights, seqs, device, prefill=span_len // 2)

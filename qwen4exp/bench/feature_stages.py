@@ -38,11 +38,6 @@ def _spec(k: int) -> dict | None:
     return {"method": "mtp", "num_speculative_tokens": k} if k else None
 
 
-def _weights(hf) -> dict:
-    return {n: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
-            for n, t in hf.state_dict().items()}
-
-
 # ---- spec_decode ----
 
 def spec_trained(results, device, log, steps: int, seconds: float | None, corpus_chars: int, batch: int = 32,
@@ -53,18 +48,15 @@ def spec_trained(results, device, log, steps: int, seconds: float | None, corpus
     warms each engine up). Per k: median TPOT; with drafts, of all runs together, the share of draft tokens accepted,
     the acceptance rate of each draft position (position 0: the first draft token), the tokens a step emits
     (acceptance length) and the speedup over k = 0."""
-    from ..config import EngineConfig, ModelConfig
+    from ..config import EngineConfig
     from ..engine.engine import LLMEngine
     from .engines import return_gpu_memory
     from .offline import run_requests
-    from .train_small import train
+    from .train_small import train_for_engines
 
     options = engine_options or SMALL_ENGINE
-    hf, held, _, record = train(device, steps, batch=batch, seq_len=seq_len, seconds=seconds,
-                                corpus_chars=corpus_chars, log=log)
-    cfg, weights = ModelConfig.from_hf(hf.config), _weights(hf)
-    del hf
-    return_gpu_memory()
+    cfg, weights, held, record = train_for_engines(device, steps, log, batch=batch, seq_len=seq_len, seconds=seconds,
+                                                   corpus_chars=corpus_chars)
     stride = len(held) // prompts
     code = [held[i * stride: i * stride + prompt_len] for i in range(prompts)]
     out = results.setdefault("spec_decode", {})["trained"] = {

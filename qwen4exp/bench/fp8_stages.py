@@ -134,17 +134,10 @@ def fp8_against_bf16(cfg, weights: dict, seqs: list[list[int]], device) -> dict:
 
 def stage_agree_fp8(results, device, steps: int, seconds: float | None, corpus_chars: int, log,
                     spans: int = 6, span_len: int = 512) -> None:
-    from ..config import ModelConfig
     from .agreement import top1_agreement
-    from .train_small import train
+    from .train_small import train_for_engines
 
-    hf, held, _, record = train(device, steps, seconds=seconds, corpus_chars=corpus_chars, log=log)
-    cfg = ModelConfig.from_hf(hf.config)
-    weights = {n: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
-               for n, t in hf.state_dict().items()}
-    del hf
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    cfg, weights, held, record = train_for_engines(device, steps, log, seconds=seconds, corpus_chars=corpus_chars)
     seqs = [held[i * 4096: i * 4096 + span_len] for i in range(spans)]
     r = {"preset": "small", "spans": spans, "span_len": span_len, "training": record}
     r["fp8_vs_bf16"] = fp8_against_bf16(cfg, weights, seqs, device)

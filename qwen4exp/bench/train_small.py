@@ -326,3 +326,19 @@ def train(device: torch.device, steps: int, batch: int = 32, seq_len: int = 512,
                       mtp_last_loss_mean10=sum(mtp_losses[-10:]) / len(mtp_losses[-10:]))
     return model.eval(), held, eos, record
 
+
+
+def train_for_engines(device: torch.device, steps: int, log=print, **train_kwargs):
+    """`train`, then what an engine takes: (its ModelConfig, the weights on the CPU, fp32 where floating, by
+    checkpoint name; the held-out token stream; the run's record). The transformers model is dropped and its GPU
+    memory returned before the engines start."""
+    from ..config import ModelConfig
+
+    hf, held, _, record = train(device, steps, log=log, **train_kwargs)
+    cfg = ModelConfig.from_hf(hf.config)
+    weights = {n: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu()
+               for n, t in hf.state_dict().items()}
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return cfg, weights, held, record

@@ -52,7 +52,8 @@ class ModelRunner:
         multimodal: some chunk has images (RequestChunk.mm). A step that feeds image tokens runs eagerly (graphs
         take no image features); the others replay graphs where their rotary positions allow (cuda_graph.py)."""
         if (self.graphs is not None and return_streams == bool(self.graphs.speculative)
-                and not any(c.mm_features for c in chunks) and self.graphs.can_run(chunks, mixed=mixed_graphs)):
+                and not (multimodal and any(c.mm_features for c in chunks))
+                and self.graphs.can_run(chunks, mixed=mixed_graphs)):
             out = self.graphs.execute(chunks, pending_ids, multimodal)
             if out is not None:
                 return out
