@@ -105,8 +105,8 @@ def test_multi_turn_conversations_equal_the_uncached_outputs(tiny_dir):
     assert_same(got, want)
     cached = [o.num_cached_tokens for o in got]
     assert cached[:3] == [0, 0, 0]  # the first turns arrive together: nothing computed yet
-    for before, o in zip(got, got[3:]):  # later turns resume at the last page boundary before the turn before's end
-        assert o.num_cached_tokens == (len(before.prompt_token_ids) - 1) // PAGE * PAGE
+    for before, o in zip(got, got[3:]):  # later turns resume at the last page boundary of the turn before's prompt
+        assert o.num_cached_tokens == len(before.prompt_token_ids) // PAGE * PAGE
     m = llm.llm_engine.metrics
     assert m.total("vllm:prefix_cache_hits_total") == sum(cached)
     assert m.total("vllm:prefix_cache_queries_total") == sum(len(o.prompt_token_ids) for o in got)
@@ -176,6 +176,24 @@ def small_cache_run(model_dir, enable: bool, async_scheduling: bool = False):
                 if turn < 2:
                     ready.append((i, turn + 1))
     return outputs, llm
+
+
+def test_a_prompt_filling_its_last_page_prefills_in_one_step_and_the_next_turn_resumes_at_its_end(tiny_dir):
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(6 * PAGE)]
+    llm = make_llm(tiny_dir, True)
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": prompt}, greedy(3))
+    (out,) = engine.step()  # the whole prompt and the first token in one step: no chunk cut off for a checkpoint
+    assert len(out.outputs[0].token_ids) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    turn = prompt + [rng.randrange(3, VOCAB) for _ in range(5)]
+    (got,) = llm.generate([{"prompt_token_ids": turn}], greedy(), use_tqdm=False)
+    (want,) = make_llm(tiny_dir, False).generate([{"prompt_token_ids": turn}], greedy(), use_tqdm=False)
+    assert got.num_cached_tokens == len(prompt)
+    assert_same([got], [want])
+    assert_released(llm)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -258,7 +258,7 @@ class Request:
     # (multimodal.MultiModalState)
     mm: Any = None
     max_tokens: int = 16  # resolved against max_model_len at admission
-    # prefix caching (engine/prefix_cache.py): the keys of the prompt's full pages before its last token, the page
+    # prefix caching (engine/prefix_cache.py): the keys of the prompt's full pages, the page
     # boundaries still to save a checkpoint at (ascending), and the prompt tokens found cached at first admission
     page_keys: list[bytes] | None = None
     checkpoint_positions: list[int] = field(default_factory=list)

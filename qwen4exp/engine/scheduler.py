@@ -140,19 +140,21 @@ class Scheduler:
 
     def _find_prefix(self, req: Request) -> tuple[list[int], int | None]:
         """The pages of req's longest cached prompt prefix that ends at a checkpoint, and that checkpoint's slot
-        (None: no such prefix); sets the boundaries where req's prefill saves checkpoints: the last page boundary
-        before its last prompt token, and the end of the cached pages it matched where no checkpoint ends them (a
-        prefix computed before by another prompt). A request with prompt logprobs computes its whole prompt (as in
-        vLLM), and saves its checkpoints."""
+        (None: no such prefix); sets the boundaries where req's prefill saves checkpoints: the prompt's last page
+        boundary (its end when the prompt fills its last page, so no extra chunk), and the end of the cached pages it
+        matched where no checkpoint ends them (a prefix computed before by another prompt). It resumes only before its
+        last token, whose logits it needs. A request with prompt logprobs computes its whole prompt (as in vLLM), and
+        saves its checkpoints."""
         ps = self.cache.page_size
         if req.page_keys is None:
-            n = (req.num_prompt_tokens - 1) // ps
+            n = req.num_prompt_tokens // ps
             # image tokens share one id: a page holding (part of) an image is named by the image's content too
             extra = (None if req.mm is None else
                      ["".join(req.mm.extra_keys(i * ps, (i + 1) * ps)).encode() for i in range(n)])
             req.page_keys = page_keys(req.prompt_token_ids, ps, n, extra)
         keys = req.page_keys
-        matched, resumable = (0, 0) if req.params.prompt_logprobs is not None else self.prefix.lookup(keys)
+        usable = keys[:(req.num_prompt_tokens - 1) // ps]
+        matched, resumable = (0, 0) if req.params.prompt_logprobs is not None else self.prefix.lookup(usable)
         boundaries = {len(keys), matched} if matched > resumable else {len(keys)}
         req.checkpoint_positions = sorted(b * ps for b in boundaries if b > resumable)
         if not resumable:
