@@ -30,6 +30,12 @@ def _commands(results: dict, stages: list[str]) -> list[str]:
             for (command, commit), names in seen.items()]
 
 
+def _ran(results: dict, stage: str) -> str:
+    """How a section's stage ran, for its intro: the command and the commit."""
+    p = results.get("stages", {}).get(stage, {})
+    return f"`{p.get('command', 'qwen4exp bench suite --stages ' + stage)}`, commit {p.get('commit') or 'n/a'}"
+
+
 def _setup(results: dict) -> list[str]:
     ours = results.get("ours", {})
     env = results.get("stages", {}).get("ours", {}).get("env", {})
@@ -195,7 +201,7 @@ def _table_on_host(results: dict) -> list[str]:
              f"{t['table_rows']:,} rows x 160 in fp8 (e4m3, one scale) = {_f(t['table_GB'])} GB, in page-locked host "
              f"memory (`--ple-table-device cpu`) or in GPU memory. Engines built one after another in one process "
              f"({', '.join(data['order'])}); each figure is the median over the engines of its placement "
-             "(stage `table_on_host`).", "",
+             f"({_ran(results, 'table_on_host')}).", "",
              "| measure | table in host memory | table in GPU memory | host / GPU |", "|---|---|---|---|"]
     for what, key, fmt, ratio in (("batch-1 decode (128 in / 128 out), tok/s", "decode_b1_tok_s", "{:.1f}", "{:.3f}"),
                                   ("64 concurrent (1k in / 256 out), output tok/s", "concurrency_64_tok_s", "{:.0f}",
@@ -209,12 +215,12 @@ def _table_on_host(results: dict) -> list[str]:
         g = statistics.median(r["gather_us"][tokens] for r in gpu)
         lines.append(f"| one layer's row gather, {tokens} tokens x 16 rows, us | {_f(h)} | {_f(g)} | "
                      f"{_f(h / g, '{:.2f}')} |")
-    return lines + ["", "Command:", ""] + _commands(results, ["table_on_host"]) + [""]
+    return lines + [""]
 
 
-def _note(data: dict) -> list[str]:
-    """A stage's `note` (how a figure was read from its runs), when it has one."""
-    return [f"Concurrent figures: {data['note']}.", ""] if data.get("note") else []
+def _note(data: dict) -> str:
+    """A stage's `note` (how a figure was read from its runs), when it has one, for the end of its intro."""
+    return f" Concurrent figures: {data['note']}." if data.get("note") else ""
 
 
 def _fp8(results: dict) -> list[str]:
@@ -226,7 +232,7 @@ def _fp8(results: dict) -> list[str]:
                   f"`{data['preset']}` (512 experts, n-gram base 20,000,000) with block-scaled fp8 weights built in "
                   f"place ({_f(data['gpu_weights_GiB'])} GiB on the GPU), the fp8 n-gram table in page-locked host "
                   f"memory, max_model_len {data['engine']['max_model_len']}, max_num_seqs "
-                  f"{data['engine']['max_num_seqs']} (stage `flash_next`).", "",
+                  f"{data['engine']['max_num_seqs']} ({_ran(results, 'flash_next')})." + _note(data), "",
                   "| measure | target | measured |", "|---|---|---|",
                   f"| start-up (weights, graphs, warm-up), s | <= 300 | **{_f(data['startup_s'])}** |",
                   f"| batch-1 decode (128 in / 128 out), tok/s | >= 200 | **{_f(data['decode_b1_tok_s'])}** |",
@@ -235,11 +241,11 @@ def _fp8(results: dict) -> list[str]:
                   f"| prefill of one 8k prompt, tok/s | >= 10000 | **{_f(data['prefill_8k_tok_s'], '{:.0f}')}** |",
                   f"| sequences of max_model_len the cache holds at once | | "
                   f"{data['max_concurrent_at_max_model_len']} ({data['cache_pages']} pages of {data['page_size']}) |",
-                  ""] + _note(data) + _commands(results, ["flash_next"]) + [""]
+                  ""]
     data = results.get("fp8_128e")
     if data and "fp8" in data and "bf16" in data:
         lines += ["## fp8 against bf16 on flash-next-128e", "",
-                  "One engine after the other in one process (stage `fp8_128e`).", "",
+                  f"One engine after the other in one process ({_ran(results, 'fp8_128e')})." + _note(data), "",
                   "| measure | bf16 | fp8 | fp8 / bf16 | target |", "|---|---|---|---|---|"]
         for what, key, fmt, target in (("batch-1 decode, tok/s", "decode_b1_tok_s", "{:.1f}", ">= 1.3"),
                                        ("64 concurrent (1k in / 256 out), output tok/s", "concurrency_64_tok_s",
@@ -249,20 +255,20 @@ def _fp8(results: dict) -> list[str]:
             b, q = data["bf16"].get(key), data["fp8"].get(key)
             ratio = _f(q / b, "**{:.2f}**") if isinstance(b, (int, float)) and isinstance(q, (int, float)) else ""
             lines.append(f"| {what} | {_f(b, fmt)} | {_f(q, fmt)} | {ratio} | {target} |")
-        lines += [""] + _note(data) + _commands(results, ["fp8_128e"]) + [""]
+        lines += [""]
     data = results.get("agree_fp8")
     if data:
         fb, gc = data["fp8_vs_bf16"], data["gpu_fp8_vs_cpu_fp8"]
         lines += ["## fp8 fidelity", "",
                   f"`small` trained briefly, quantized to fp8 on load; teacher forcing over {fb['positions']} "
-                  "held-out positions (stage `agree_fp8`).", "",
+                  f"held-out positions ({_ran(results, 'agree_fp8')}).", "",
                   "| measure | target | measured |", "|---|---|---|",
                   f"| fp8 vs bf16 top-1 agreement | >= 98% | **{_pct(fb['fp8_vs_bf16_top1_agreement'])}** |",
                   f"| held-out perplexity, fp8 / bf16 | <= 1.03 | **{_f(fb['perplexity_fp8_over_bf16'], '{:.3f}')}** "
                   f"({_f(fb['fp8_perplexity'], '{:.2f}')} / {_f(fb['bf16_perplexity'], '{:.2f}')}) |",
                   f"| GPU fp8 vs CPU fp8 reference top-1 agreement | >= 99% | **{_pct(gc['top1_agreement'])}** |",
                   f"| non-finite logits | 0 | {fb['fp8_nonfinite'] + gc['nonfinite_logits']} |",
-                  ""] + _commands(results, ["agree_fp8"]) + [""]
+                  ""]
     return lines
 
 
@@ -294,7 +300,7 @@ def _spec_decode(results: dict) -> list[str]:
             f"concurrent ({dummy['concurrent_input_len']} in / {dummy['concurrent_output_len']} out). Random "
             "weights' drafts are almost never accepted, but a step computes all 1 + k rows whatever is accepted: its "
             "time is TPOT x tokens per step, and the projection is the trained model's tokens per step over that "
-            "time (stage `spec_decode`).", "",
+            f"time ({_ran(results, 'spec_decode')}).", "",
             "| measure | target | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|---|" + "---|" * len(ks),
             row("`small` trained: median TPOT, ms", "", tk, "median_tpot_ms", "{:.2f}"),
             row("... draft tokens accepted at each position", "", tk, "per_position_acceptance", ""),
@@ -307,7 +313,7 @@ def _spec_decode(results: dict) -> list[str]:
                 base="tok_s"),
             row(f"... {dummy['concurrency']} concurrent, output tok/s", "", dk, "concurrent_tok_s", "{:.0f}",
                 base="concurrent_tok_s"),
-            ""] + _commands(results, ["spec_decode"]) + [""]
+            ""]
 
 
 def _prefix_cache(results: dict) -> list[str]:
@@ -321,7 +327,7 @@ def _prefix_cache(results: dict) -> list[str]:
             f"`{data['preset']}` on random bf16 weights: {data['num_conversations']} conversations sharing a "
             f"{data['system_len']}-token system prompt, {data['num_turns']} turns of {data['turn_len']}-token messages "
             f"and {data['output_len']}-token replies, every conversation's turn at once; the same conversations with "
-            "the prefix cache on, then off, on one engine (stage `prefix_cache`).", "",
+            f"the prefix cache on, then off, on one engine ({_ran(results, 'prefix_cache')}).", "",
             "| measure | target | measured |", "|---|---|---|",
             f"| turn-{len(on)} median TTFT, off / on | >= 5x | **{_f(data['last_turn_ttft_speedup'], '{:.1f}x')}** "
             f"({_f(off[-1]['median_ttft_ms'], '{:.0f}')} / {_f(on[-1]['median_ttft_ms'], '{:.0f}')} ms) |",
@@ -330,7 +336,7 @@ def _prefix_cache(results: dict) -> list[str]:
             f"{_f(data['decode_uncached'])} tok/s) |",
             *(f"| median TTFT of each turn, {what}, ms | | {ttfts} |" for what, ttfts in per_turn.items()),
             f"| whole workload, off / on; prompt tokens found cached | | {_f(data['total_speedup'], '{:.2f}x')}; "
-            f"{_pct(data['hit_rate'], 1)} |", ""] + _commands(results, ["prefix_cache"]) + [""]
+            f"{_pct(data['hit_rate'], 1)} |", ""]
 
 
 def _vision(results: dict) -> list[str]:
@@ -344,13 +350,13 @@ def _vision(results: dict) -> list[str]:
              f"(grid {' x '.join(map(str, data['grid_thw']))}), preprocessed on the host in "
              f"{_f(data['preprocess_ms'])} ms and encoded in {_f(data['encode_ms'])} ms (medians of "
              f"{data['encode_runs']}). Each request alone, {data['output_len']} tokens out, from an empty prefix "
-             f"cache, medians of {data['runs']} (stage `vision`).", "",
+             f"cache, medians of {data['runs']} ({_ran(results, 'vision')}).", "",
              "| request | prompt tokens | TTFT ms | TPOT ms |", "|---|---|---|---|"]
     for key, what in (("image", "text with the image"), ("text", "the same text"),
                       ("text_same_len", "text of as many tokens as with the image")):
         r = data[key]
         lines.append(f"| {what} | {r['prompt_tokens']} | {_f(r['ttft_ms'])} | {_f(r['tpot_ms'], '{:.2f}')} |")
-    return lines + [""] + _commands(results, ["vision"]) + [""]
+    return lines + [""]
 
 
 def _structured(results: dict) -> list[str]:
@@ -362,14 +368,13 @@ def _structured(results: dict) -> list[str]:
     return ["## Structured output", "",
             f"`{data['preset']}` on random bf16 weights with the repository's tokenizer: {data['num_prompts']} "
             f"requests at once ({data['input_len']} in / {data['output_len']} out), all free or {n} of them under a "
-            "JSON-records grammar (bench/offline.py), alternating (stage `structured`).", "",
+            f"JSON-records grammar (bench/offline.py), alternating ({_ran(results, 'structured')}).", "",
             "| measure | target | measured |", "|---|---|---|",
             f"| output tok/s, {n} constrained / all free (medians) | >= 0.90 | "
             f"**{_f(data['constrained_over_free'], '{:.3f}')}** ({_f(data['constrained_tok_s'], '{:.0f}')} / "
             f"{_f(data['free_tok_s'], '{:.0f}')}) |",
             "| each run in turn (free, constrained, ...), output tok/s | | "
-            + " / ".join(_f(r["output_throughput"], "{:.0f}") for r in runs) + " |", ""] + _commands(
-        results, ["structured"]) + [""]
+            + " / ".join(_f(r["output_throughput"], "{:.0f}") for r in runs) + " |", ""]
 
 
 def _known_limits(results: dict) -> list[str]:
