@@ -161,10 +161,13 @@ def experts_case(bench):
             if tokens <= 4 * pairwise_last:
                 variants.append(Variant("fp8 pairwise", with_tuning(op, PAIRWISE_MAX_PAIRS=NEVER)))
                 if bench.args.sweep:
-                    for rows, down_rows in ((4, 4), (8, 8), (4, 16), (16, 16)):
-                        variants.append(Variant(f"pairwise {rows}/{down_rows}r", lambda r=rows, d=down_rows: (
-                            moe_triton.pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, ids, weights,
-                                                        shared, block_n=r, down_block_n=d))))
+                    for rows, down_rows, warps in ((4, 4, 1), (8, 8, 1), (4, 16, 1), (16, 16, 1), (8, 16, 2),
+                                                   (16, 32, 2), (16, 32, 4), (32, 32, 4)):
+                        variants.append(Variant(
+                            f"pairwise {rows}/{down_rows}r{warps}w",
+                            lambda r=rows, d=down_rows, nw=warps: moe_triton.pairwise_moe_fp8(
+                                x, gate_up, gate_up_scale, down, down_scale, ids, weights, shared, block_n=r,
+                                down_block_n=d, num_warps=nw)))
             variants.append(Variant("fp8 fused", with_tuning(op, PAIRWISE_MAX_PAIRS=0)))
             bench.measure(case, tokens, variants, calls=w.layers if tokens <= 512 else 4)
 
