@@ -422,7 +422,59 @@ def test_bench_serve_counts_failed_requests_and_goes_on(tmp_path, capsys):
         assert {f"mean_{metric}_ms", f"median_{metric}_ms", f"std_{metric}_ms", f"p50_{metric}_ms",
                 f"p99_{metric}_ms"} <= set(result)
     assert "ttfts" not in result  # per-request lists only with --save-detailed
+    assert not any(k.startswith("spec_decode") for k in result)  # no /metrics here: no speculation keys
     assert json.loads(capsys.readouterr().out) == result
+
+
+def speculating_server():
+    """A completions endpoint whose /metrics exports vLLM's spec_decode counters as a server with k = 2 drafts
+    does (two label sets, `_created` series beside the `_total` ones); each request adds 2 verified drafts of 2
+    tokens: 3 accepted, 2 at the first position and 1 at the second."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    served = [5]  # counted before the run starts: the run's figures are what it adds
+
+    async def completions(request):
+        body = await request.json()
+        served[0] += 1
+
+        async def events():
+            yield 'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n'
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 0}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def metrics(request):
+        n, lines = served[0], []
+        for engine in ("0", "1"):  # each engine served half
+            labels = f'engine="{engine}",model_name="m"'
+            for name, per_request in (("num_drafts", 1), ("num_draft_tokens", 2), ("num_accepted_tokens", 1.5)):
+                lines += [f"vllm:spec_decode_{name}_total{{{labels}}} {n * per_request}",
+                          f"vllm:spec_decode_{name}_created{{{labels}}} 1.7e9"]
+            for pos, per_request in ((0, 1), (1, 0.5)):
+                lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} '
+                             f"{n * per_request}")
+        return PlainTextResponse("\n".join(["# HELP vllm:spec_decode_num_drafts Number of drafts."] + lines))
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/metrics", metrics)])
+
+
+def test_bench_serve_reports_the_runs_speculative_decoding_as_vllm(tmp_path):
+    from helpers import serve_on_loopback
+
+    with serve_on_loopback(speculating_server(), log_level="critical") as url:
+        main(["bench", "serve", "--base-url", url, "--model", "m", "--num-prompts", "4", "--input-len", "4",
+              "--output-len", "1", "--output-json", str(tmp_path / "r.json")])
+    result = json.loads((tmp_path / "r.json").read_text())
+    # 4 requests x 2 engines: 8 drafts of 2 tokens, 12 accepted (8 at the first position, 4 at the second)
+    assert (result["spec_decode_num_drafts"], result["spec_decode_draft_tokens"],
+            result["spec_decode_accepted_tokens"]) == (8, 16, 12)
+    assert result["spec_decode_acceptance_rate"] == pytest.approx(75.0)
+    assert result["spec_decode_acceptance_length"] == pytest.approx(2.5)
+    assert result["spec_decode_per_position_acceptance_rates"] == pytest.approx([1.0, 0.5])
 
 
 def test_bench_serve_rejects_unknown_percentile_metrics(capsys):

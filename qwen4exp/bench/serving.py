@@ -4,6 +4,10 @@
 A request fails on an HTTP error status, a connection or protocol error, an error event in its stream, or a stream
 that ends without a token; the run goes on, counts it in `failed` and its message in `error_summary`. The latency
 statistics are over the completed requests; output tokens are the server's `usage.completion_tokens`.
+
+When the server runs speculative decoding, its `vllm:spec_decode_*` counters are read from /metrics before and after
+the run and the result gets vLLM's `spec_decode_*` keys (acceptance rate in percent, acceptance length = 1 +
+accepted tokens per draft, per-position acceptance rates) over the run's steps.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -123,6 +128,58 @@ async def _run(url, model, num_prompts, input_len, output_len, max_concurrency, 
     return summarize(results, duration, percentile_metrics, percentiles), results
 
 
+SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_counters(url: str) -> tuple[dict[str, float], dict[int, float]] | None:
+    """The server's speculative decoding counters (summed over its label sets) and accepted tokens per draft
+    position, from its /metrics; None when it exports none (speculation off) or /metrics cannot be read."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/metrics", timeout=30)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    totals, per_pos, found = dict.fromkeys(SPEC_DECODE_COUNTERS, 0.0), {}, False
+    for line in r.text.splitlines():
+        if not line.startswith("vllm:spec_decode_"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{")[0][len("vllm:spec_decode_"):]
+        if not name.endswith("_total"):
+            continue
+        name, found = name[:-len("_total")], True
+        if name == "num_accepted_tokens_per_pos":
+            pos = int(re.search(r'position="(\d+)"', series).group(1))
+            per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
+        elif name in totals:
+            totals[name] += float(value)
+    return (totals, per_pos) if found else None
+
+
+def spec_decode_stats(before, after) -> dict:
+    """vLLM's `spec_decode_*` result keys over what the counters gained between `before` and `after` (from
+    `spec_decode_counters`); {} when either is None or no draft token was verified."""
+    if before is None or after is None:
+        return {}
+    gained = {k: after[0][k] - before[0][k] for k in SPEC_DECODE_COUNTERS}
+    drafts, draft_tokens, accepted = (gained[k] for k in SPEC_DECODE_COUNTERS)
+    if draft_tokens <= 0:
+        return {}
+    positions = sorted(set(before[1]) | set(after[1]))
+    return {
+        "spec_decode_acceptance_rate": 100 * accepted / draft_tokens,
+        "spec_decode_acceptance_length": 1 + accepted / drafts if drafts > 0 else 0.0,
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_draft_tokens": int(draft_tokens),
+        "spec_decode_accepted_tokens": int(accepted),
+        "spec_decode_per_position_acceptance_rates": [
+            (after[1].get(p, 0.0) - before[1].get(p, 0.0)) / drafts for p in positions] if drafts > 0 else [],
+    }
+
+
 def run(url: str, model: str | None, num_prompts: int, input_len: int, output_len: int, max_concurrency: int,
         request_rate: float, percentile_metrics=PERCENTILE_METRICS, percentiles=(99,),
         save_detailed: bool = False) -> dict:
@@ -133,11 +190,12 @@ def run(url: str, model: str | None, num_prompts: int, input_len: int, output_le
         import httpx
 
         model = httpx.get(f"{url}/v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
+    spec_before = spec_decode_counters(url)
     metrics, results = asyncio.run(_run(url, model, num_prompts, input_len, output_len, max_concurrency,
                                         request_rate, percentile_metrics, percentiles))
     out = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai", "model_id": model,
            "num_prompts": num_prompts, "request_rate": request_rate if request_rate < float("inf") else "inf",
-           "max_concurrency": max_concurrency} | metrics
+           "max_concurrency": max_concurrency} | metrics | spec_decode_stats(spec_before, spec_decode_counters(url))
     if save_detailed:
         out |= {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
                 "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
