@@ -152,8 +152,9 @@ def spec_decode_counters(url: str) -> tuple[dict[str, float], dict[int, float]] 
             continue
         name, found = name[:-len("_total")], True
         if name == "num_accepted_tokens_per_pos":
-            pos = int(re.search(r'position="(\d+)"', series).group(1))
-            per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
+            pos = re.search(r'position="(\d+)"', series)
+            if pos:  # a series without its position label cannot be placed
+                per_pos[int(pos[1])] = per_pos.get(int(pos[1]), 0.0) + float(value)
         elif name in totals:
             totals[name] += float(value)
     return (totals, per_pos) if found else None
