@@ -11,7 +11,7 @@ widths, against the bf16 weights they replace.
            dispatched, and the fp8 pairwise and fused kernels forced (tuning.PAIRWISE_MAX_PAIRS).
 
 Each call reads its own copy of a projection's weight (as each layer does); one layer's experts are read per call.
---sweep adds the kernels' tile choices (fp8_triton.gemv_tiles / gemm_tiles, pairwise_moe_fp8's rows a program) as
+--sweep adds the kernels' tile choices (fp8_triton.gemv_tiles / gemm_tiles, pairwise_moe_fp8's rows and groups a step) as
 further columns at the decode token counts.
 
     python benchmarks/kernels/bench_fp8.py [--tokens 1,2,4] [--only linear|experts] [--sweep] [--json out.json] [--tiny]
@@ -92,8 +92,11 @@ def tile_variants(x, quantized, k):
     tokens = x.shape[0]
     variants = []
     if tokens <= 4:
-        for block_n, warps in ((4, 1), (8, 1), (8, 2), (16, 4)):
-            for g in sorted({1, 2, 4} & {fp8_triton.groups_per_step(k, m) for m in (1, 2, 4)}):
+        # 8 and 16 groups a step (a step past the width masked) keep more bytes of a program in flight, which
+        # matters where the rows give few programs (out_proj's 2560 rows of 6144 columns)
+        for block_n, warps, g in ((2, 1, 8), (4, 1, 2), (4, 1, 4), (4, 1, 8), (4, 2, 8), (4, 2, 16), (8, 1, 4),
+                                  (8, 2, 4), (8, 2, 8), (8, 4, 8), (16, 4, 4), (16, 4, 8)):
+            if g <= 2 * triton.cdiv(k, 128):
                 tiles = dict(block_n=block_n, groups_per_step=g, num_warps=warps)
                 variants.append(Variant(f"GEMV {block_n}r{g}g{warps}w", lambda t=tiles: fp8_triton.gemv(
                     x, *quantized.next(), tiles=t)))
@@ -161,13 +164,17 @@ def experts_case(bench):
             if tokens <= 4 * pairwise_last:
                 variants.append(Variant("fp8 pairwise", with_tuning(op, PAIRWISE_MAX_PAIRS=NEVER)))
                 if bench.args.sweep:
-                    for rows, down_rows, warps in ((4, 4, 1), (8, 8, 1), (4, 16, 1), (16, 16, 1), (8, 16, 2),
-                                                   (16, 32, 2), (16, 32, 4), (32, 32, 4)):
+                    # (rows, down rows, warps, groups a step in gate-up, in down; None: the most that divide)
+                    for rows, down_rows, warps, g, dg in (
+                            (4, 4, 1, None, None), (8, 8, 1, None, None), (8, 16, 2, None, None),
+                            (16, 32, 4, None, None), (4, 8, 1, 4, None), (4, 8, 1, 4, 4), (4, 8, 1, 4, 8),
+                            (4, 4, 1, 4, 8), (2, 4, 1, 4, 8), (4, 8, 2, 4, 8), (8, 8, 2, 4, 8), (4, 8, 2, 8, 8),
+                            (8, 16, 4, 4, 8), (16, 16, 4, 4, 8)):
                         variants.append(Variant(
-                            f"pairwise {rows}/{down_rows}r{warps}w",
-                            lambda r=rows, d=down_rows, nw=warps: moe_triton.pairwise_moe_fp8(
+                            f"pairwise {rows}/{down_rows}r{warps}w{g or '-'}/{dg or '-'}g",
+                            lambda r=rows, d=down_rows, nw=warps, g=g, dg=dg: moe_triton.pairwise_moe_fp8(
                                 x, gate_up, gate_up_scale, down, down_scale, ids, weights, shared, block_n=r,
-                                down_block_n=d, num_warps=nw)))
+                                down_block_n=d, num_warps=nw, groups=g, down_groups=dg)))
             variants.append(Variant("fp8 fused", with_tuning(op, PAIRWISE_MAX_PAIRS=0)))
             bench.measure(case, tokens, variants, calls=w.layers if tokens <= 512 else 4)
 

@@ -908,12 +908,15 @@ def _pair_down_fp8_kernel(
 
 
 def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk_weights, shared_expert=None,
-                     block_n: int = 4, down_block_n: int = 8, num_warps: int = 1) -> torch.Tensor:
+                     block_n: int = 4, down_block_n: int = 8, num_warps: int = 1, groups: int | None = None,
+                     down_groups: int | None = None) -> torch.Tensor:
     """`pairwise_moe` for block-scaled fp8 experts: one program per (pair, BLOCK_N rows), three launches (gate-up,
     down with the shared expert, sum), each quantizing its activations per 128-column group itself (the layer input
     in the gate-up launch, the activation in the down launch). `shared_expert` = (gate, up, down weight, logit) or
     (gate, up, down weight, logit, down scale) for an fp8 down weight. block_n / down_block_n: rows a program (powers
-    of two dividing 128), to be measured on the H200."""
+    of two dividing 128); groups / down_groups: 128-column groups a step (powers of two; by default the most, up to 2
+    and 1, that divide the width; more load more bytes at once, a step past the width masked), to be measured on the
+    H200."""
     num_tokens, hidden = x.shape
     up_start = gate_up.shape[1] // 2
     inter = down.shape[2]
@@ -927,7 +930,7 @@ def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk
     _pair_gate_up_fp8_kernel[(pairs, triton.cdiv(inter, block_n))](
         x, gate_up, gate_up_scale, ids, act, top_k, hidden, inter, up_start, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), act.stride(0),
-        DTYPE=dtype, BF16=bf16, BLOCK_N=block_n, G=groups_per_step(hidden, 2), EXACT=INTERPRETED,
+        DTYPE=dtype, BF16=bf16, BLOCK_N=block_n, G=groups or groups_per_step(hidden, 2), EXACT=INTERPRETED,
         num_warps=num_warps,
         **launch_options(x))
     extra = num_tokens if shared_expert is not None else 0
@@ -945,7 +948,7 @@ def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk
     _pair_down_fp8_kernel[(pairs + extra, triton.cdiv(hidden, down_block_n))](
         act, down, down_scale, ids, wts, out, hidden, inter, pairs, act.stride(0), down.stride(0), down.stride(1),
         down_scale.stride(0), down_scale.stride(1), out.stride(0), *shared_args,
-        DTYPE=dtype, BF16=bf16, BLOCK_N=down_block_n, G=groups_per_step(max(inter, shared_inter), 1),
+        DTYPE=dtype, BF16=bf16, BLOCK_N=down_block_n, G=down_groups or groups_per_step(max(inter, shared_inter), 1),
         HAS_SHARED=shared_expert is not None, SHARED_FP8=shared_fp8, EXACT=INTERPRETED, num_warps=num_warps,
         **launch_options(act))
     shared = (out[pairs:], shared_expert[3]) if shared_expert is not None else None
