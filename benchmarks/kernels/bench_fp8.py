@@ -11,8 +11,8 @@ widths, against the bf16 weights they replace.
            dispatched, and the fp8 pairwise and fused kernels forced (tuning.PAIRWISE_MAX_PAIRS).
 
 Each call reads its own copy of a projection's weight (as each layer does); one layer's experts are read per call.
---sweep adds the kernels' tile choices (fp8_triton.gemv_tiles / gemm_tiles, pairwise_moe_fp8's rows and groups a step) as
-further columns at the decode token counts.
+--sweep adds the kernels' tile choices (fp8_triton.gemv_tiles / gemm_tiles, pairwise_moe_fp8's rows and groups a
+step) as further columns at the decode token counts.
 
     python benchmarks/kernels/bench_fp8.py [--tokens 1,2,4] [--only linear|experts] [--sweep] [--json out.json] [--tiny]
 """
