@@ -150,6 +150,9 @@ def experts_case(bench):
             def op():
                 return moe.moe_experts(x, gate_up, down, ids, weights, shared, gate_up_scale, down_scale)
 
+            def shared_out():
+                return fp8.linear(moe.silu_mul(gate, up), *shared_down)
+
             def ref():
                 shared_out = fp8.linear_ref(moe.silu_mul.eager(gate, up), *shared_down)
                 return moe.moe_block_ref(x, gate_up, down, ids, weights, (shared_out, logit), gate_up_scale,
@@ -176,6 +179,25 @@ def experts_case(bench):
                                 x, gate_up, gate_up_scale, down, down_scale, ids, weights, shared, block_n=r,
                                 down_block_n=d, num_warps=nw, groups=g, down_groups=dg)))
             variants.append(Variant("fp8 fused", with_tuning(op, PAIRWISE_MAX_PAIRS=0)))
+            if bench.args.sweep and 1 < tokens <= 64:
+                base = moe_triton.get_fp8_config(tokens, experts, w.top_k)
+                # (gate-up warps, stages; down columns, warps, stages) of the fused kernels, the defaults first (the
+                # shared expert computed before them in each)
+                default = (base.gate_up.num_warps, base.gate_up.num_stages, base.down.block_n, base.down.num_warps,
+                           base.down.num_stages)
+                for gw, gs, dn, dw, ds in (default, (8, 4, 64, 4, 4), (4, 3, 64, 4, 4), (4, 5, 64, 4, 4), (4, 4, 32, 4, 4),
+                                           (4, 4, 64, 4, 3), (4, 4, 64, 4, 6), (4, 4, 128, 4, 4), (4, 4, 128, 8, 4),
+                                           (4, 4, 64, 2, 4)):
+                    config = moe_triton.MoEConfig(
+                        block_m=base.block_m,
+                        gate_up=moe_triton.Tile(block_n=128, block_k=128, group_m=base.gate_up.group_m, num_warps=gw,
+                                                num_stages=gs),
+                        down=moe_triton.Tile(block_n=dn, block_k=128, group_m=base.down.group_m, num_warps=dw,
+                                             num_stages=ds))
+                    variants.append(Variant(
+                        f"fused {gw}w{gs}s/{dn}c{dw}w{ds}s", lambda c=config: moe_triton.fused_moe_fp8(
+                            x, gate_up, gate_up_scale, down, down_scale, ids, weights, config=c,
+                            shared=(shared_out(), logit))))
             bench.measure(case, tokens, variants, calls=w.layers if tokens <= 512 else 4)
 
 
