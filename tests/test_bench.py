@@ -312,6 +312,13 @@ def test_the_page_reports_the_fp8_stages_when_the_results_hold_them():
     assert "| batch-1 decode (128 in / 128 out), tok/s | >= 200 | **210.0** |" in page
     without = {k: v for k, v in results.items() if k != "flash_next"}
     assert "## The released shape in fp8 on one GPU" not in render(without, "benchmarks_results.json")
+    agree = {"fp8_vs_bf16": {"positions": 3066, "fp8_vs_bf16_top1_agreement": 0.969, "perplexity_fp8_over_bf16": 1.003,
+                             "fp8_perplexity": 9.33, "bf16_perplexity": 9.30, "fp8_nonfinite": 0},
+             "gpu_fp8_vs_cpu_fp8": {"top1_agreement": 0.972, "cpu_bf16_reference_top1_agreement": 0.9723,
+                                    "nonfinite_logits": 0}}
+    page = render(results | {"agree_fp8": agree}, "benchmarks_results.json")
+    assert "| fp8 vs bf16 top-1 agreement | >= 98% | **96.90%** |" in page
+    assert "vs the same reference: bf16 arithmetic alone | | 97.23% |" in page
 
 
 # ---- bench latency, throughput and serve: vLLM's result keys ----

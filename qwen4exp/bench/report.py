@@ -267,6 +267,8 @@ def _fp8(results: dict) -> list[str]:
                   f"| held-out perplexity, fp8 / bf16 | <= 1.03 | **{_f(fb['perplexity_fp8_over_bf16'], '{:.3f}')}** "
                   f"({_f(fb['fp8_perplexity'], '{:.2f}')} / {_f(fb['bf16_perplexity'], '{:.2f}')}) |",
                   f"| GPU fp8 vs CPU fp8 reference top-1 agreement | >= 99% | **{_pct(gc['top1_agreement'])}** |",
+                  f"| ... the CPU's bf16 engine (fp8 weights) vs the same reference: bf16 arithmetic alone | | "
+                  f"{_pct(gc['cpu_bf16_reference_top1_agreement'])} |",
                   f"| non-finite logits | 0 | {fb['fp8_nonfinite'] + gc['nonfinite_logits']} |",
                   ""]
     return lines
