@@ -49,7 +49,7 @@ def test_spec_decode_records_acceptance_step_cost_and_projection():
         results, CPU, log, steps=1, seconds=None, corpus_chars=200_000,
         trained_options=dict(batch=2, seq_len=64, prompts=3, prompt_len=24, output_len=8, ks=(1, 2)),
         dummy_options=dict(preset="tiny", engine_options=TINY_ENGINE, input_len=16, output_len=8, iters=1,
-                           concurrency=2, concurrent_input_len=16, concurrent_output_len=4))
+                           concurrency=2, concurrent_input_len=16, concurrent_output_len=4, ks=(1, 2)))
     data = results["spec_decode"]
     trained, dummy, projection = data["trained"], data["dummy"], data["projection"]
     assert trained["training"]["steps"] == 1 and trained["prompts"] == 2
