@@ -94,12 +94,15 @@ def tile_variants(x, quantized, k):
     if tokens <= 4:
         # 8 and 16 groups a step (a step past the width masked) keep more bytes of a program in flight, which
         # matters where the rows give few programs (out_proj's 2560 rows of 6144 columns)
-        for block_n, warps, g in ((2, 1, 8), (4, 1, 2), (4, 1, 4), (4, 1, 8), (4, 2, 8), (4, 2, 16), (8, 1, 4),
-                                  (8, 2, 4), (8, 2, 8), (8, 4, 8), (16, 4, 4), (16, 4, 8)):
+        # (rows, warps, groups a step, the accumulator reduced each step: "s")
+        for block_n, warps, g, each in ((2, 1, 8, False), (4, 1, 2, False), (4, 1, 4, False), (4, 1, 8, False),
+                                        (4, 2, 8, False), (4, 2, 16, False), (8, 1, 4, False), (8, 2, 4, False),
+                                        (8, 2, 8, False), (8, 4, 8, False), (16, 4, 4, False), (16, 4, 8, False),
+                                        (4, 1, 8, True), (4, 1, 16, True), (8, 2, 16, True), (16, 4, 16, True)):
             if g <= 2 * triton.cdiv(k, 128):
-                tiles = dict(block_n=block_n, groups_per_step=g, num_warps=warps)
-                variants.append(Variant(f"GEMV {block_n}r{g}g{warps}w", lambda t=tiles: fp8_triton.gemv(
-                    x, *quantized.next(), tiles=t)))
+                tiles = dict(block_n=block_n, groups_per_step=g, num_warps=warps, reduce_each_step=each)
+                variants.append(Variant(f"GEMV {block_n}r{g}g{warps}w{'s' if each else ''}",
+                                        lambda t=tiles: fp8_triton.gemv(x, *quantized.next(), tiles=t)))
     block_m = max(16, triton.next_power_of_2(tokens))
     for block_n in (32, 64, 128):
         for stages in (3, 4, 6):
@@ -167,12 +170,13 @@ def experts_case(bench):
             if tokens <= 4 * pairwise_last:
                 variants.append(Variant("fp8 pairwise", with_tuning(op, PAIRWISE_MAX_PAIRS=NEVER)))
                 if bench.args.sweep:
-                    # (rows, down rows, warps, groups a step in gate-up, in down; None: the most that divide)
+                    # (rows, down rows, warps, groups a step in gate-up, in down; None: the most that divide); the
+                    # accumulators keep rows x groups x 128 fp32 (twice in gate-up): at most ~128 a thread
                     for rows, down_rows, warps, g, dg in (
                             (4, 4, 1, None, None), (8, 8, 1, None, None), (8, 16, 2, None, None),
-                            (16, 32, 4, None, None), (4, 8, 1, 4, None), (4, 8, 1, 4, 4), (4, 8, 1, 4, 8),
-                            (4, 4, 1, 4, 8), (2, 4, 1, 4, 8), (4, 8, 2, 4, 8), (8, 8, 2, 4, 8), (4, 8, 2, 8, 8),
-                            (8, 16, 4, 4, 8), (16, 16, 4, 4, 8)):
+                            (16, 32, 4, None, None), (4, 8, 1, 4, None), (4, 8, 1, 4, 4), (4, 2, 1, 4, 8),
+                            (4, 4, 1, 4, 8), (2, 4, 1, 4, 8), (4, 4, 2, 4, 8), (4, 8, 2, 4, 8), (8, 8, 2, 4, 8),
+                            (4, 8, 2, 8, 8), (8, 16, 4, 4, 8), (16, 16, 4, 4, 8)):
                         variants.append(Variant(
                             f"pairwise {rows}/{down_rows}r{warps}w{g or '-'}/{dg or '-'}g",
                             lambda r=rows, d=down_rows, nw=warps, g=g, dg=dg: moe_triton.pairwise_moe_fp8(

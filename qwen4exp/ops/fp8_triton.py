@@ -141,14 +141,15 @@ def quantize(x: torch.Tensor, rows: int | None = None, scale_columns: bool = Fal
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, T, N, K, stride_x, stride_w, stride_ws, stride_y,
-    BT: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr,
-    PDL: tl.constexpr
+    BT: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
+    EXACT: tl.constexpr, PDL: tl.constexpr
 ):
     """BLOCK_N rows of W (within one 128-row scale block: BLOCK_N divides 128) x all T tokens, G 128-column groups a
     step. A step loads the G groups of weight first (G 16-byte vectors a lane in flight), then quantizes the
     tokens' G groups of x in a compact [BT, G, 128] layout (each element once per program), scales them by their
     own and the weight blocks' scales and broadcasts them over the rows. The accumulator keeps the K lanes
-    ([BT, BLOCK_N, G, 128]) and is reduced once at the end."""
+    ([BT, BLOCK_N, G, 128]) and is reduced once at the end; with REDUCE_EACH_STEP it is [BT, BLOCK_N], each step's
+    products summed at once (a reduction across lanes a step, for registers left to wider steps)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     t = tl.arange(0, BT)
@@ -163,15 +164,24 @@ def _gemv_kernel(
     x_ptrs = x_ptr + t[:, None, None] * stride_x + k3
     t_ok = (t < T)[:, None, None]
     ws_ptrs = ws_ptr + (pid * BLOCK_N // _GROUP) * stride_ws + gg
-    acc = tl.zeros((BT, BLOCK_N, G, _GROUP), dtype=tl.float32)
+    if REDUCE_EACH_STEP:
+        acc = tl.zeros((BT, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BT, BLOCK_N, G, _GROUP), dtype=tl.float32)
     for k0 in range(0, K, G * _GROUP):
         w = tl.load(w_ptrs + k0, mask=(rows4 < N) & (k0 + k4 < K), other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs + k0, mask=t_ok & (k0 + k3 < K), other=0.0).to(tl.float32)
         ws = tl.load(ws_ptrs + k0 // _GROUP, mask=k0 + gg * _GROUP < K, other=0.0)
         q, s = quantize_groups(x, 2, EXACT)
         a = q.to(tl.float32) * (s * ws[None, :, None])  # [BT, G, 128]
-        acc += a[:, None, :, :] * w.to(tl.float32)
-    y = tl.sum(tl.sum(acc, axis=3), axis=2)
+        if REDUCE_EACH_STEP:
+            acc += tl.sum(tl.sum(a[:, None, :, :] * w.to(tl.float32), axis=3), axis=2)
+        else:
+            acc += a[:, None, :, :] * w.to(tl.float32)
+    if REDUCE_EACH_STEP:
+        y = acc
+    else:
+        y = tl.sum(tl.sum(acc, axis=3), axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + t[:, None] * stride_y + rows[None, :], to_dtype(y, y_ptr.dtype.element_ty, EXACT),
@@ -200,7 +210,8 @@ def gemv_tiles(tokens: int, n: int, k: int) -> dict:
 def gemv(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
          tiles: dict | None = None) -> torch.Tensor:
     """The block-scaled product of x [T, K] and wq [N, K] / scale (any T; `ops.fp8.linear` dispatches it for few
-    tokens), one launch. tiles: `gemv_tiles` by default (block_n a power of two dividing 128)."""
+    tokens), one launch. tiles: `gemv_tiles` by default (block_n a power of two dividing 128; reduce_each_step
+    optional, default False)."""
     T, K = x.shape
     N = wq.shape[0]
     t = tiles or gemv_tiles(T, N, K)
@@ -209,7 +220,8 @@ def gemv(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     _gemv_kernel[(triton.cdiv(N, t["block_n"]),)](
         x, wq, scale, bias if bias is not None else y, y, T, N, K, x.stride(0), wq.stride(0), scale.stride(0),
         y.stride(0), BT=triton.next_power_of_2(T), BLOCK_N=t["block_n"], G=t["groups_per_step"],
-        HAS_BIAS=bias is not None, EXACT=INTERPRETED, num_warps=t["num_warps"], **launch_options(x))
+        HAS_BIAS=bias is not None, REDUCE_EACH_STEP=t.get("reduce_each_step", False), EXACT=INTERPRETED,
+        num_warps=t["num_warps"], **launch_options(x))
     return y
 
 

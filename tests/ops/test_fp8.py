@@ -165,6 +165,9 @@ def test_quantize_kernel_is_the_reference_bit_for_bit():
     (3, 37, 640, dict(block_n=8, groups_per_step=4, num_warps=1), False),  # 5 groups in steps of 4: the last masked
     (4, 96, 256, dict(block_n=32, groups_per_step=2, num_warps=2), True),
     (8, 24, 72, dict(block_n=16, groups_per_step=1, num_warps=4), False),
+    # the accumulator reduced every step; 3 steps of 8 groups over 20 (the last partly masked)
+    (1, 40, 2560, dict(block_n=8, groups_per_step=8, num_warps=2, reduce_each_step=True), True),
+    (2, 16, 640, dict(block_n=4, groups_per_step=16, num_warps=1, reduce_each_step=True), False),
 ])
 def test_gemv_matches_reference(dtype, tokens, n, k, tiles, bias):
     x = _activations(tokens, k, dtype, seed=tokens + n)
