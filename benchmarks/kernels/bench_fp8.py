@@ -172,16 +172,20 @@ def experts_case(bench):
                 if bench.args.sweep:
                     # (rows, down rows, warps, groups a step in gate-up, in down; None: the most that divide); the
                     # accumulators keep rows x groups x 128 fp32 (twice in gate-up): at most ~128 a thread
-                    for rows, down_rows, warps, g, dg in (
+                    for tiles in (
                             (4, 4, 1, None, None), (8, 8, 1, None, None), (8, 16, 2, None, None),
                             (16, 32, 4, None, None), (4, 8, 1, 4, None), (4, 8, 1, 4, 4), (4, 2, 1, 4, 8),
                             (4, 4, 1, 4, 8), (2, 4, 1, 4, 8), (4, 4, 2, 4, 8), (4, 8, 2, 4, 8), (8, 8, 2, 4, 8),
-                            (4, 8, 2, 8, 8), (8, 16, 4, 4, 8), (16, 16, 4, 4, 8)):
+                            (4, 8, 2, 8, 8), (8, 16, 4, 4, 8), (16, 16, 4, 4, 8), (4, 8, 1, 4, 8, True),
+                            (8, 8, 1, 4, 8, True), (8, 16, 2, 8, 8, True)):
+                        # a sixth True: the accumulators summed every step (name ends in "s")
+                        rows, down_rows, warps, g, dg, *each = tiles
+                        each = bool(each)
                         variants.append(Variant(
-                            f"pairwise {rows}/{down_rows}r{warps}w{g or '-'}/{dg or '-'}g",
-                            lambda r=rows, d=down_rows, nw=warps, g=g, dg=dg: moe_triton.pairwise_moe_fp8(
+                            f"pairwise {rows}/{down_rows}r{warps}w{g or '-'}/{dg or '-'}g{'s' if each else ''}",
+                            lambda r=rows, d=down_rows, nw=warps, g=g, dg=dg, e=each: moe_triton.pairwise_moe_fp8(
                                 x, gate_up, gate_up_scale, down, down_scale, ids, weights, shared, block_n=r,
-                                down_block_n=d, num_warps=nw, groups=g, down_groups=dg)))
+                                down_block_n=d, num_warps=nw, groups=g, down_groups=dg, reduce_each_step=e)))
             variants.append(Variant("fp8 fused", with_tuning(op, PAIRWISE_MAX_PAIRS=0)))
             if bench.args.sweep and 1 < tokens <= 64:
                 base = moe_triton.get_fp8_config(tokens, experts, w.top_k)
