@@ -906,9 +906,10 @@ def _pair_down_fp8_kernel(
                 acc += tl.sum(tl.sum(p, axis=2), axis=1)
             else:
                 acc += p
-        if not REDUCE_EACH_STEP:
-            acc = tl.sum(tl.sum(acc, axis=2), axis=1)
-        out = acc * tl.load(wts_ptr + pair).to(tl.float32)
+        if REDUCE_EACH_STEP:
+            out = acc * tl.load(wts_ptr + pair).to(tl.float32)
+        else:
+            out = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
     else:
         if HAS_SHARED:
             token = (pair - num_pairs).to(tl.int64)
@@ -928,9 +929,10 @@ def _pair_down_fp8_kernel(
                     acc += tl.sum(tl.sum(a[None, :, :] * w.to(tl.float32), axis=2), axis=1)
                 else:
                     acc += a[None, :, :] * w.to(tl.float32)
-        if not REDUCE_EACH_STEP:
-            acc = tl.sum(tl.sum(acc, axis=2), axis=1)
-        out = acc
+        if REDUCE_EACH_STEP:
+            out = acc
+        else:
+            out = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(out_ptr + pair * stride_on + rows, to_dtype(out, out_ptr.dtype.element_ty, EXACT), mask=rows < hidden)
 
 
