@@ -92,13 +92,14 @@ def tile_variants(x, quantized, k):
     tokens = x.shape[0]
     variants = []
     if tokens <= 4:
-        # 8 and 16 groups a step (a step past the width masked) keep more bytes of a program in flight, which
-        # matters where the rows give few programs (out_proj's 2560 rows of 6144 columns)
-        # (rows, warps, groups a step, the accumulator reduced each step: "s")
-        for block_n, warps, g, each in ((2, 1, 8, False), (4, 1, 2, False), (4, 1, 4, False), (4, 1, 8, False),
-                                        (4, 2, 8, False), (4, 2, 16, False), (8, 1, 4, False), (8, 2, 4, False),
-                                        (8, 2, 8, False), (8, 4, 8, False), (16, 4, 4, False), (16, 4, 8, False),
-                                        (4, 1, 8, True), (4, 1, 16, True), (8, 2, 16, True), (16, 4, 16, True)):
+        # (rows, warps, groups a step, the accumulator reduced each step: "s"). Registers a thread (sm_90, triton 3.6,
+        # from the cubin): the default 4/4g/1w 159, and 4/2g/1w 89, 8/4g/2w 127, 16/4g/4w 151; reduced each step
+        # 4/8g/1w 168, 8/8g/2w 124, 8/8g/4w 79, 8/16g/4w 128, 16/8g/4w 128, 16/16g/8w 128, 4/16g/2w 167. Kept
+        # resident, the wider steps hold 2-3x the default's bytes in flight an SM (keeping the K lanes instead,
+        # 8 groups a step take 250 registers and more).
+        for block_n, warps, g, each in ((4, 1, 2, False), (8, 2, 4, False), (16, 4, 4, False), (4, 1, 8, True),
+                                        (8, 2, 8, True), (8, 4, 8, True), (8, 4, 16, True), (16, 4, 8, True),
+                                        (16, 8, 16, True), (4, 2, 16, True)):
             if g <= 2 * triton.cdiv(k, 128):
                 tiles = dict(block_n=block_n, groups_per_step=g, num_warps=warps, reduce_each_step=each)
                 variants.append(Variant(f"GEMV {block_n}r{g}g{warps}w{'s' if each else ''}",
@@ -170,14 +171,15 @@ def experts_case(bench):
             if tokens <= 4 * pairwise_last:
                 variants.append(Variant("fp8 pairwise", with_tuning(op, PAIRWISE_MAX_PAIRS=NEVER)))
                 if bench.args.sweep:
-                    # (rows, down rows, warps, groups a step in gate-up, in down; None: the most that divide); the
-                    # accumulators keep rows x groups x 128 fp32 (twice in gate-up): at most ~128 a thread
-                    for tiles in (
-                            (4, 4, 1, None, None), (8, 8, 1, None, None), (8, 16, 2, None, None),
-                            (16, 32, 4, None, None), (4, 8, 1, 4, None), (4, 8, 1, 4, 4), (4, 2, 1, 4, 8),
-                            (4, 4, 1, 4, 8), (2, 4, 1, 4, 8), (4, 4, 2, 4, 8), (4, 8, 2, 4, 8), (8, 8, 2, 4, 8),
-                            (4, 8, 2, 8, 8), (8, 16, 4, 4, 8), (16, 16, 4, 4, 8), (4, 8, 1, 4, 8, True),
-                            (8, 8, 1, 4, 8, True), (8, 16, 2, 8, 8, True)):
+                    # (rows, down rows, warps, groups a step in gate-up, in down (None: the most that divide),
+                    # accumulators summed every step). Registers a thread, gate-up / down (sm_90, triton 3.6): the
+                    # default 4/8 rows 2/1 groups 127 / 80; reduced each step with 4/8 groups 4/4 rows 1 warp
+                    # 128 / 129, 2/4 rows 80 / 129, 8/8 rows 2 warps 96 / 128, 8/2 groups 2/2 rows 128 / 96, 8/8 groups
+                    # 4/8 rows 2 warps 128 / 128, 8/16 rows 4 warps 120 / 128; without the reduction 4 or 8 groups a
+                    # step take 250 and more
+                    for tiles in ((4, 4, 1, None, None), (8, 16, 2, None, None), (16, 32, 4, None, None),
+                                  (4, 4, 1, 4, 8, True), (2, 4, 1, 4, 8, True), (2, 2, 1, 8, 8, True),
+                                  (4, 8, 2, 8, 8, True), (8, 8, 2, 4, 8, True), (8, 16, 4, 8, 8, True)):
                         # a sixth True: the accumulators summed every step (name ends in "s")
                         rows, down_rows, warps, g, dg, *each = tiles
                         each = bool(each)

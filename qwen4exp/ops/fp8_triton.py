@@ -200,7 +200,7 @@ def groups_per_step(width: int, most: int) -> int:
 def gemv_tiles(tokens: int, n: int, k: int) -> dict:
     """Tiles from static shapes only (a captured graph keeps its kernel). One warp a program, 4 rows: a lane loads 16
     fp8 columns of a row as one 16-byte vector per group, and 4 groups a step (2 at 2 tokens, 1 from 4) keep 4
-    vectors a lane in flight within ~150 registers (sm_90 build: 4 rows x 4 groups 148, 8 rows x 4 groups 254);
+    vectors a lane in flight within ~160 registers (sm_90, triton 3.6: 4 rows x 4 groups 159, 8 rows x 4 groups 245);
     matrices of a few thousand rows still give hundreds of programs. To be measured on the H200
     (benchmarks/kernels/bench_fp8.py)."""
     return dict(block_n=4, groups_per_step=groups_per_step(k, max(1, 4 // triton.next_power_of_2(tokens))),
