@@ -93,13 +93,12 @@ def tile_variants(x, quantized, k):
     variants = []
     if tokens <= 4:
         # (rows, warps, groups a step, the accumulator reduced each step: "s"). Registers a thread (sm_90, triton 3.6,
-        # from the cubin): the default 4/4g/1w 159, and 4/2g/1w 89, 8/4g/2w 127, 16/4g/4w 151; reduced each step
-        # 4/8g/1w 168, 8/8g/2w 124, 8/8g/4w 79, 8/16g/4w 128, 16/8g/4w 128, 16/16g/8w 128, 4/16g/2w 167. Kept
-        # resident, the wider steps hold 2-3x the default's bytes in flight an SM (keeping the K lanes instead,
-        # 8 groups a step take 250 registers and more).
-        for block_n, warps, g, each in ((4, 1, 2, False), (8, 2, 4, False), (16, 4, 4, False), (4, 1, 8, True),
-                                        (8, 2, 8, True), (8, 4, 8, True), (8, 4, 16, True), (16, 4, 8, True),
-                                        (16, 8, 16, True), (4, 2, 16, True)):
+        # from the cubin): 4/4g/1w (the former default) 159, 4/2g/1w 89, 8/4g/2w 127, 16/4g/4w 151; reduced each
+        # step 4/8g/1w 168, 8/8g/2w 124, 8/8g/4w 79, 8/16g/4w 128, 16/8g/4w 128, 16/16g/8w 128, 4/16g/2w 167
+        # (keeping the K lanes instead, 8 groups a step take 250 registers and more).
+        for block_n, warps, g, each in ((4, 1, 4, False), (4, 1, 2, False), (8, 2, 4, False), (16, 4, 4, False),
+                                        (4, 1, 8, True), (8, 2, 8, True), (8, 4, 8, True), (8, 4, 16, True),
+                                        (16, 4, 8, True), (16, 8, 16, True), (4, 2, 16, True)):
             if g <= 2 * triton.cdiv(k, 128):
                 tiles = dict(block_n=block_n, groups_per_step=g, num_warps=warps, reduce_each_step=each)
                 variants.append(Variant(f"GEMV {block_n}r{g}g{warps}w{'s' if each else ''}",

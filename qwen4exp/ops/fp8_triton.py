@@ -198,11 +198,23 @@ def groups_per_step(width: int, most: int) -> int:
 
 
 def gemv_tiles(tokens: int, n: int, k: int) -> dict:
-    """Tiles from static shapes only (a captured graph keeps its kernel). One warp a program, 4 rows: a lane loads 16
-    fp8 columns of a row as one 16-byte vector per group, and 4 groups a step (2 at 2 tokens, 1 from 4) keep 4
-    vectors a lane in flight within ~160 registers (sm_90, triton 3.6: 4 rows x 4 groups 159, 8 rows x 4 groups 245);
-    matrices of a few thousand rows still give hundreds of programs. To be measured on the H200
-    (benchmarks/kernels/bench_fp8.py)."""
+    """Tiles from static shapes only (a captured graph keeps its kernel). A lane loads 16 fp8 columns of a row as one
+    16-byte vector per group. At one token (the decode GEMV, tuning.FP8_GEMV_MAX_TOKENS): 8 rows and 4 groups a step
+    on 2 warps where the rows give thousands of programs; matrices of fewer rows (out_proj's 2560, the shared
+    expert's) have too few programs to keep HBM busy with small steps, so wide steps with the accumulator reduced
+    every step (8 groups on 4 warps, 79 registers; 16 groups of 4 rows on 2 warps for long rows, 167). One H100,
+    flash-next widths, us a call (the former 4 rows, 4 groups, 1 warp -> these): GDN in_proj [16480, 2560] 19.69 ->
+    16.61, attention q/k/v + indexer [13952, 2560] 18.03 -> 15.51, PLE [12800, 2560] 17.28 -> 14.69, out_proj
+    [2560, 6144] 12.65 -> 9.46, shared expert gate + up [1280, 2560] 5.15 -> 4.57, down [2560, 640] 3.85 -> 2.58
+    (benchmarks/kernels/bench_fp8.py --only linear --tokens 1 --sweep); flash-next-128e fp8 batch-1 decode 166.8 ->
+    173.7 tok/s, one engine after the other in one process. From 2 tokens: 4 rows on one warp, 2 groups a step (1
+    from 4 tokens), unmeasured (the tensor-core kernel serves those sizes)."""
+    if tokens == 1:
+        if n >= 8192:
+            return dict(block_n=8, groups_per_step=4, num_warps=2)
+        if k >= 4096:
+            return dict(block_n=4, groups_per_step=16, num_warps=2, reduce_each_step=True)
+        return dict(block_n=8, groups_per_step=8, num_warps=4, reduce_each_step=True)
     return dict(block_n=4, groups_per_step=groups_per_step(k, max(1, 4 // triton.next_power_of_2(tokens))),
                 num_warps=1)
 

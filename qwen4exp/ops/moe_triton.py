@@ -945,7 +945,9 @@ def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk
     (gate, up, down weight, logit, down scale) for an fp8 down weight. block_n / down_block_n: rows a program (powers
     of two dividing 128); groups / down_groups: 128-column groups a step (powers of two; by default the most, up to 2
     and 1, that divide the width; more load more bytes at once, a step past the width masked); reduce_each_step: the
-    accumulators summed every step (`fp8_triton.gemv`'s tile of that name); to be measured on the H200."""
+    accumulators summed every step (`fp8_triton.gemv`'s tile of that name). The defaults were the fastest on one H100
+    at flash-next widths and one token (26.1 us a call with the shared expert; the other choices of
+    benchmarks/kernels/bench_fp8.py --sweep, wider steps and per-step sums included, 27.3-43.5)."""
     num_tokens, hidden = x.shape
     up_start = gate_up.shape[1] // 2
     inter = down.shape[2]

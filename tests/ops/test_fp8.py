@@ -159,7 +159,9 @@ def test_quantize_kernel_is_the_reference_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,n,k,tiles,bias", [
-    (1, 256, 512, None, False),  # 4 groups: one step of 4
+    (1, 256, 512, None, False),  # one step of 8 groups (4 masked), summed every step
+    (1, 8192, 256, None, False),  # the decode tiles of many rows: 8 rows, 4 groups a step
+    (1, 24, 4224, None, True),  # long rows: 16 groups a step, 33 groups (the last step mostly masked)
     (1, 130, 200, None, True),  # ragged rows, ragged last group, bias
     (2, 64, 384, None, False),
     (3, 37, 640, dict(block_n=8, groups_per_step=4, num_warps=1), False),  # 5 groups in steps of 4: the last masked
