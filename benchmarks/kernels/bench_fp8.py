@@ -11,8 +11,8 @@ widths, against the bf16 weights they replace.
            dispatched, and the fp8 pairwise and fused kernels forced (tuning.PAIRWISE_MAX_PAIRS).
 
 Each call reads its own copy of a projection's weight (as each layer does); one layer's experts are read per call.
---sweep adds the kernels' tile choices (fp8_triton.gemv_tiles / gemm_tiles, pairwise_moe_fp8's rows and groups a
-step) as further columns at the decode token counts.
+--sweep adds the kernels' tile choices (fp8_triton.gemv_tiles / gemm_tiles, pairwise_moe_fp8's rows a program) as
+further columns at the decode token counts.
 
     python benchmarks/kernels/bench_fp8.py [--tokens 1,2,4] [--only linear|experts] [--sweep] [--json out.json] [--tiny]
 """
@@ -170,23 +170,12 @@ def experts_case(bench):
             if tokens <= 4 * pairwise_last:
                 variants.append(Variant("fp8 pairwise", with_tuning(op, PAIRWISE_MAX_PAIRS=NEVER)))
                 if bench.args.sweep:
-                    # (rows, down rows, warps, groups a step in gate-up, in down (None: the most that divide),
-                    # accumulators summed every step). Registers a thread, gate-up / down (sm_90, triton 3.6): the
-                    # default 4/8 rows 2/1 groups 127 / 80; reduced each step with 4/8 groups 4/4 rows 1 warp
-                    # 128 / 129, 2/4 rows 80 / 129, 8/8 rows 2 warps 96 / 128, 8/2 groups 2/2 rows 128 / 96, 8/8 groups
-                    # 4/8 rows 2 warps 128 / 128, 8/16 rows 4 warps 120 / 128; without the reduction 4 or 8 groups a
-                    # step take 250 and more
-                    for tiles in ((4, 4, 1, None, None), (8, 16, 2, None, None), (16, 32, 4, None, None),
-                                  (4, 4, 1, 4, 8, True), (2, 4, 1, 4, 8, True), (2, 2, 1, 8, 8, True),
-                                  (4, 8, 2, 8, 8, True), (8, 8, 2, 4, 8, True), (8, 16, 4, 8, 8, True)):
-                        # a sixth True: the accumulators summed every step (name ends in "s")
-                        rows, down_rows, warps, g, dg, *each = tiles
-                        each = bool(each)
+                    for rows, down_rows, warps in ((4, 4, 1), (8, 8, 1), (8, 16, 2), (16, 32, 4)):
                         variants.append(Variant(
-                            f"pairwise {rows}/{down_rows}r{warps}w{g or '-'}/{dg or '-'}g{'s' if each else ''}",
-                            lambda r=rows, d=down_rows, nw=warps, g=g, dg=dg, e=each: moe_triton.pairwise_moe_fp8(
+                            f"pairwise {rows}/{down_rows}r{warps}w",
+                            lambda r=rows, d=down_rows, nw=warps: moe_triton.pairwise_moe_fp8(
                                 x, gate_up, gate_up_scale, down, down_scale, ids, weights, shared, block_n=r,
-                                down_block_n=d, num_warps=nw, groups=g, down_groups=dg, reduce_each_step=e)))
+                                down_block_n=d, num_warps=nw)))
             variants.append(Variant("fp8 fused", with_tuning(op, PAIRWISE_MAX_PAIRS=0)))
             if bench.args.sweep and 1 < tokens <= 64:
                 base = moe_triton.get_fp8_config(tokens, experts, w.top_k)

@@ -816,13 +816,13 @@ def _swiglu_rounded(g, u, DTYPE: tl.constexpr, BF16: tl.constexpr):
 def _pair_gate_up_fp8_kernel(
     x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, top_k, hidden, inter, up_start,
     stride_xn, stride_we, stride_wr, stride_wse, stride_wsr, stride_an,
-    DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
-    EXACT: tl.constexpr, PDL: tl.constexpr
+    DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, EXACT: tl.constexpr,
+    PDL: tl.constexpr
 ):
     """One (token, expert) pair x BLOCK_N rows of the intermediate (within one 128-row scale block), G 128-column
-    groups a step, as `fp8_triton._gemv_kernel` (REDUCE_EACH_STEP as there): the token's groups are quantized here
-    in a compact [G, 128] layout, scaled by the gate's and the up's block scales and broadcast over the rows. Writes
-    the activation rounded to DTYPE."""
+    groups a step, as `fp8_triton._gemv_kernel`: the token's groups are quantized here in a compact [G, 128] layout,
+    scaled by the gate's and the up's block scales and broadcast over the rows. Writes the activation rounded to
+    DTYPE."""
     pdl_start(PDL)
     pair = tl.program_id(0)
     token = pair // top_k
@@ -838,12 +838,8 @@ def _pair_gate_up_fp8_kernel(
     u_ptrs = g_ptrs + up_start * stride_wr
     gs_ptrs = ws_ptr + expert * stride_wse + (r0 // 128) * stride_wsr + gg
     us_ptrs = ws_ptr + expert * stride_wse + ((up_start + r0) // 128) * stride_wsr + gg
-    if REDUCE_EACH_STEP:
-        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
     for k0 in range(0, hidden, G * 128):
         m3 = row_ok & (k0 + k3 < hidden)
         wg = tl.load(g_ptrs + k0, mask=m3, other=0.0)
@@ -852,18 +848,9 @@ def _pair_gate_up_fp8_kernel(
         q, s = quantize_groups(x, 1, EXACT)
         g_ok = k0 + gg * 128 < hidden
         a = q.to(tl.float32) * s
-        pg = (a * tl.load(gs_ptrs + k0 // 128, mask=g_ok, other=0.0)[:, None])[None, :, :] * wg.to(tl.float32)
-        pu = (a * tl.load(us_ptrs + k0 // 128, mask=g_ok, other=0.0)[:, None])[None, :, :] * wu.to(tl.float32)
-        if REDUCE_EACH_STEP:
-            acc_g += tl.sum(tl.sum(pg, axis=2), axis=1)
-            acc_u += tl.sum(tl.sum(pu, axis=2), axis=1)
-        else:
-            acc_g += pg
-            acc_u += pu
-    if not REDUCE_EACH_STEP:
-        acc_g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
-        acc_u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
-    h = _swiglu_rounded(acc_g, acc_u, DTYPE, BF16)
+        acc_g += (a * tl.load(gs_ptrs + k0 // 128, mask=g_ok, other=0.0)[:, None])[None, :, :] * wg.to(tl.float32)
+        acc_u += (a * tl.load(us_ptrs + k0 // 128, mask=g_ok, other=0.0)[:, None])[None, :, :] * wu.to(tl.float32)
+    h = _swiglu_rounded(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), DTYPE, BF16)
     tl.store(act_ptr + pair * stride_an + rows, h.to(act_ptr.dtype.element_ty), mask=rows < inter)
 
 
@@ -873,7 +860,7 @@ def _pair_down_fp8_kernel(
     stride_an, stride_we, stride_wr, stride_wse, stride_wsr, stride_on,
     sg_ptr, su_ptr, sw_ptr, sws_ptr, shared_inter, stride_sg, stride_su, stride_sw, stride_sws,
     DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HAS_SHARED: tl.constexpr,
-    SHARED_FP8: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
+    SHARED_FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
 ):
     """One pair x BLOCK_N rows of the hidden dim (within one scale block): routing weight * down_e(act), the pair's
     activation quantized here per 128-column group. With HAS_SHARED, programs past the pairs compute row
@@ -888,10 +875,7 @@ def _pair_down_fp8_kernel(
     k3 = k2[None, :, :]
     rows3 = rows[:, None, None]
     row_ok = rows3 < hidden
-    if REDUCE_EACH_STEP:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, G, 128), dtype=tl.float32)
     if pair < num_pairs:
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         w_ptrs = w_ptr + expert * stride_we + rows3 * stride_wr + k3
@@ -901,15 +885,8 @@ def _pair_down_fp8_kernel(
             a = tl.load(act_ptr + pair * stride_an + k0 + k2, mask=k0 + k2 < inter, other=0.0).to(tl.float32)
             q, s = quantize_groups(a, 1, EXACT)
             sw = tl.load(s_ptrs + k0 // 128, mask=k0 + gg * 128 < inter, other=0.0)
-            p = (q.to(tl.float32) * (s * sw[:, None]))[None, :, :] * w.to(tl.float32)
-            if REDUCE_EACH_STEP:
-                acc += tl.sum(tl.sum(p, axis=2), axis=1)
-            else:
-                acc += p
-        if REDUCE_EACH_STEP:
-            out = acc * tl.load(wts_ptr + pair).to(tl.float32)
-        else:
-            out = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
+            acc += (q.to(tl.float32) * (s * sw[:, None]))[None, :, :] * w.to(tl.float32)
+        out = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(wts_ptr + pair).to(tl.float32)
     else:
         if HAS_SHARED:
             token = (pair - num_pairs).to(tl.int64)
@@ -925,29 +902,20 @@ def _pair_down_fp8_kernel(
                     ss = tl.load(sws_ptr + (r0 // 128) * stride_sws + k0 // 128 + gg,
                                  mask=k0 + gg * 128 < shared_inter, other=0.0)
                     a = q.to(tl.float32) * (s * ss[:, None])
-                if REDUCE_EACH_STEP:
-                    acc += tl.sum(tl.sum(a[None, :, :] * w.to(tl.float32), axis=2), axis=1)
-                else:
-                    acc += a[None, :, :] * w.to(tl.float32)
-        if REDUCE_EACH_STEP:
-            out = acc
-        else:
-            out = tl.sum(tl.sum(acc, axis=2), axis=1)
+                acc += a[None, :, :] * w.to(tl.float32)
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(out_ptr + pair * stride_on + rows, to_dtype(out, out_ptr.dtype.element_ty, EXACT), mask=rows < hidden)
 
 
 def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk_weights, shared_expert=None,
-                     block_n: int = 4, down_block_n: int = 8, num_warps: int = 1, groups: int | None = None,
-                     down_groups: int | None = None, reduce_each_step: bool = False) -> torch.Tensor:
+                     block_n: int = 4, down_block_n: int = 8, num_warps: int = 1) -> torch.Tensor:
     """`pairwise_moe` for block-scaled fp8 experts: one program per (pair, BLOCK_N rows), three launches (gate-up,
     down with the shared expert, sum), each quantizing its activations per 128-column group itself (the layer input
     in the gate-up launch, the activation in the down launch). `shared_expert` = (gate, up, down weight, logit) or
     (gate, up, down weight, logit, down scale) for an fp8 down weight. block_n / down_block_n: rows a program (powers
-    of two dividing 128); groups / down_groups: 128-column groups a step (powers of two; by default the most, up to 2
-    and 1, that divide the width; more load more bytes at once, a step past the width masked); reduce_each_step: the
-    accumulators summed every step (`fp8_triton.gemv`'s tile of that name). The defaults were the fastest on one H100
-    at flash-next widths and one token (26.1 us a call with the shared expert; the other choices of
-    benchmarks/kernels/bench_fp8.py --sweep, wider steps and per-step sums included, 27.3-43.5)."""
+    of two dividing 128). The defaults were the fastest on one H100 at flash-next widths and one token (26.1 us a call
+    with the shared expert; more rows or warps a program, and wider steps with per-step sums as the fp8 GEMV's,
+    27.3-43.5: benchmarks/kernels/bench_fp8.py --sweep)."""
     num_tokens, hidden = x.shape
     up_start = gate_up.shape[1] // 2
     inter = down.shape[2]
@@ -961,8 +929,8 @@ def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk
     _pair_gate_up_fp8_kernel[(pairs, triton.cdiv(inter, block_n))](
         x, gate_up, gate_up_scale, ids, act, top_k, hidden, inter, up_start, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), act.stride(0),
-        DTYPE=dtype, BF16=bf16, BLOCK_N=block_n, G=groups or groups_per_step(hidden, 2),
-        REDUCE_EACH_STEP=reduce_each_step, EXACT=INTERPRETED, num_warps=num_warps,
+        DTYPE=dtype, BF16=bf16, BLOCK_N=block_n, G=groups_per_step(hidden, 2), EXACT=INTERPRETED,
+        num_warps=num_warps,
         **launch_options(x))
     extra = num_tokens if shared_expert is not None else 0
     out = torch.empty(pairs + extra, hidden, dtype=x.dtype, device=x.device)
@@ -979,9 +947,8 @@ def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk
     _pair_down_fp8_kernel[(pairs + extra, triton.cdiv(hidden, down_block_n))](
         act, down, down_scale, ids, wts, out, hidden, inter, pairs, act.stride(0), down.stride(0), down.stride(1),
         down_scale.stride(0), down_scale.stride(1), out.stride(0), *shared_args,
-        DTYPE=dtype, BF16=bf16, BLOCK_N=down_block_n, G=down_groups or groups_per_step(max(inter, shared_inter), 1),
-        HAS_SHARED=shared_expert is not None, SHARED_FP8=shared_fp8, REDUCE_EACH_STEP=reduce_each_step,
-        EXACT=INTERPRETED, num_warps=num_warps,
+        DTYPE=dtype, BF16=bf16, BLOCK_N=down_block_n, G=groups_per_step(max(inter, shared_inter), 1),
+        HAS_SHARED=shared_expert is not None, SHARED_FP8=shared_fp8, EXACT=INTERPRETED, num_warps=num_warps,
         **launch_options(act))
     shared = (out[pairs:], shared_expert[3]) if shared_expert is not None else None
     return sum_pairs(out[:pairs], top_k, shared=shared)

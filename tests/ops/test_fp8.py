@@ -365,21 +365,6 @@ def test_pairwise_fp8_experts_match_reference(dtype, n, h, inter, e, k, shared, 
     _assert_moe_close(out, _moe_reference(x, gu, gu_s, dn, dn_s, ids, w, sh))
 
 
-@pytest.mark.parametrize("groups,down_groups,reduce_each_step", [(4, 8, False), (8, 2, False), (4, 8, True)])
-def test_pairwise_fp8_experts_with_steps_past_the_width(groups, down_groups, reduce_each_step):
-    """More 128-column groups a step than the widths hold (H = 3 groups, I = 5, the shared width 3): the steps past
-    the width are masked, the sums unchanged, whether the accumulators are summed at the end or every step."""
-    n, h, inter, e, k = 2, 384, 640, 8, 3
-    gu, gu_s, dn, dn_s = _fp8_experts(e, h, inter, seed=7)
-    x = _activations(n, h, torch.bfloat16, seed=n, spread=0.5)
-    ids, w = _routing(n, e, k, torch.bfloat16, seed=n)
-    sh = _shared(n, h, 300, torch.bfloat16, "fp8", seed=n)
-    out = on_device(moe_triton.pairwise_moe_fp8)(x, gu, gu_s, dn, dn_s, ids, w, shared_expert=sh, block_n=4,
-                                                 down_block_n=8, groups=groups, down_groups=down_groups,
-                                                 reduce_each_step=reduce_each_step)
-    _assert_moe_close(out, _moe_reference(x, gu, gu_s, dn, dn_s, ids, w, sh))
-
-
 _SMALL = moe_triton.MoEConfig(block_m=16, gate_up=moe_triton.Tile(block_n=128, block_k=128),
                               down=moe_triton.Tile(block_n=32, block_k=128, group_m=2))
 
