@@ -245,7 +245,7 @@ def test_step_metadata_matches_per_token_definition():
     from helpers import hf_config
 
     from qwen4exp.config import ModelConfig
-    from qwen4exp.engine.step_builder import RequestChunk, StepBuilder
+    from qwen4exp.engine.step_builder import RequestChunk, StepBuilder, fill_pending
 
     cfg = ModelConfig.from_hf(hf_config())
     ps, C, eos = 8, cfg.indexer_compress_ratio, cfg.eos_token_id
@@ -256,8 +256,9 @@ def test_step_metadata_matches_per_token_definition():
         chunks.append(RequestChunk(token_ids=[rng.randrange(300) for _ in range(n)], context_len=ctx,
                                    history=[rng.randrange(300) for _ in range(min(ctx, 5))], pages=pages,
                                    state_slot=len(chunks) + 1, logits_from=rng.choice([n - 1, 0, n]),
-                                   pending_row=rng.choice([-1, len(chunks)])))
+                                   pending_row=rng.choice([-1, 40 * len(chunks)]), num_pending=rng.randint(1, n)))
     chunks.sort(key=lambda c: len(c.token_ids) != 1)  # decodes first, as the runner orders them
+    assert any(c.pending_row >= 0 and c.num_pending > 1 for c in chunks)
     layout = StepBuilder(cfg, ps).build(chunks)
     meta = layout.to_metadata("cpu")
 
@@ -275,8 +276,13 @@ def test_step_metadata_matches_per_token_definition():
     assert meta.has_initial.tolist() == meta.has_initial_state == [ch.context_len > 0 for ch in chunks]
     assert (meta.num_reqs, meta.num_tokens, meta.num_decode_reqs) == (len(chunks), len(tokens), decodes)
     assert meta.max_seq_len == max(ch.context_len + len(ch.token_ids) for ch in chunks)
-    assert meta.input_ids.tolist() == [t for ch in chunks for t in ch.token_ids]
-    assert layout.pending == [(qsl[r + 1] - 1, ch.pending_row) for r, ch in enumerate(chunks) if ch.pending_row >= 0]
+    # a chunk's last num_pending tokens come from rows pending_row.. of the ids on the device
+    device_ids = torch.arange(1000, 1000 + 40 * len(chunks) + 30)
+    fill_pending(meta.input_ids, layout.pending, device_ids)
+    assert meta.input_ids.tolist() == [
+        t if ch.pending_row < 0 or i < len(ch.token_ids) - ch.num_pending
+        else 1000 + ch.pending_row + i - (len(ch.token_ids) - ch.num_pending) for ch in chunks
+        for i, t in enumerate(ch.token_ids)]
     assert meta.positions.tolist() == meta.token_pos.tolist() == [ch.context_len + i for r, i, ch in tokens]
     assert meta.slot_mapping.tolist() == [slot(ch, ch.context_len + i) for r, i, ch in tokens]
     assert meta.token_req.tolist() == [r for r, i, ch in tokens]

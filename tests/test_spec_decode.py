@@ -11,7 +11,7 @@ import torch
 
 from qwen4exp import LLM, SamplingParams
 from qwen4exp.config import ConfigError, EngineConfig
-from qwen4exp.engine.spec_decode import DraftBatch
+from qwen4exp.engine.spec_decode import DraftBatch, Proposer
 from qwen4exp.weights.random_checkpoint import make_random
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, page_size=8)
@@ -46,7 +46,7 @@ def serve(llm, requests, seed: int = 0) -> dict:
     return outputs
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Drafts a request's continuation as decoding without speculation produced it (`expected`: request id -> its
     output tokens), each draft replaced by a wrong token where `wrong(position)` says so."""
 
@@ -310,6 +310,9 @@ class RecordingProposer:
     def __init__(self, proposer):
         self.proposer, self.records = proposer, []
 
+    def launch(self, *args):
+        return self.proposer.launch(*args)
+
     def propose(self, batch: DraftBatch) -> list[list[int]]:
         drafts = self.proposer.propose(batch)
         for e, d in zip(batch.entries, drafts):
@@ -559,7 +562,7 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
 
     class EagerDraftGraphs(CUDAGraphRunner):
         def execute_draft(self, chunks, streams, pending_ids=None):
-            self.replayed.append("further" if pending_ids is not None else "first")
+            self.replayed.append(self.phase)
             return super().execute_draft(chunks, streams, pending_ids)
 
         def _run(self, key):
@@ -583,7 +586,16 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
             proposer.graphs = runner = EagerDraftGraphs(engine.model, engine.runner.cache, engine.cache.page_size,
                                                         engine.config.max_model_len, 4, "cpu", [1, 2, 4], 16, 2,
                                                         draft=True)
-            runner.replayed = []
+            runner.replayed, runner.phase = [], "further"
+            launch = proposer.launch
+
+            def launch_first(*args, launch=launch, runner=runner):
+                runner.phase = "first"
+                try:
+                    return launch(*args)
+                finally:
+                    runner.phase = "further"
+            proposer.launch = launch_first
         drafts = proposed[graphs] = []
         propose = proposer.propose
         proposer.propose = lambda batch: (lambda out: drafts.append(out) or out)(propose(batch))

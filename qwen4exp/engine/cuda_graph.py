@@ -23,10 +23,9 @@ budget), each returning the logits of every row and the states; a step of decode
 token slots in one more buffer, -1 elsewhere) and small prefill chunks replays the smallest that holds its tokens.
 
 The draft layer (`draft=True`, a second runner over the same buckets, sharing the target's memory pool): its steps
-are as small as the target's (draft step 0 covers the kept rows of a step, a further draft step one row per
-request), so run eagerly they cost more in kernel launches than in compute. Each graph runs `model.draft` on the
-mixed layout with the multi-stream states copied into one more buffer, and returns each request's greedy draft
-token and every row's states.
+are as small as the target's (draft step 0 covers every row of a step, a further draft step one row per request),
+so run eagerly they cost more in kernel launches than in compute. Each graph runs `model.draft` on the mixed layout
+with the multi-stream states copied into one more buffer, and returns every row's greedy draft and states.
 """
 
 from __future__ import annotations
@@ -157,10 +156,10 @@ class CUDAGraphRunner:
 
     def forward(self, meta: StepMetadata, rows: torch.Tensor | None):
         """What a graph captures: the wanted logits rows (`rows`, None: all); with speculation every row's logits and
-        the multi-stream states; for the draft layer each request's greedy draft and every row's states."""
-        if self.draft:
+        the multi-stream states; for the draft layer every row's greedy draft and states."""
+        if self.draft:  # every row's draft: draft step 0 wants several rows of a verified request
             hidden, streams = self.model.draft(meta, self.cache, self.streams_in[: meta.num_tokens])
-            return self.model.compute_logits(hidden[rows]).argmax(-1), streams
+            return self.model.compute_logits(hidden).argmax(-1), streams
         if self.speculative:
             hidden, streams = self.model(meta, self.cache, return_streams=True)
             return self.model.compute_logits(hidden), streams
@@ -262,8 +261,8 @@ class CUDAGraphRunner:
     def execute_draft(self, chunks: list[RequestChunk], streams: torch.Tensor,
                       pending_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft step (`draft=True`; chunks as MTPProposer builds them, `streams` [T, hc*H] their rows' states):
-        (the greedy draft of each chunk that wants a logits row, in chunk order; every row's new states, a view of
-        the graph's output valid until its next replay)."""
+        (the greedy draft of each wanted row, in chunk order; every row's new states, a view of the graph's output
+        valid until its next replay)."""
         key, wanted = self.prepare_mixed(chunks, pending_ids)
         total = streams.shape[0]
         # rows past `total` keep what an earlier step left: the padding request's rows, which no other row reads
@@ -335,8 +334,7 @@ class CUDAGraphRunner:
                 T - total, -1)
         self._fill_mixed_padding(T, total)
         fill_pending(b["input_ids"], layout.pending, pending_ids)
-        wanted = (layout.logits_indices if self.speculative and not self.draft
-                  else layout.token_req[layout.logits_indices])
+        wanted = layout.logits_indices if self.speculative or self.draft else layout.token_req[layout.logits_indices]
         return ("mixed", T, self._variant(layout)), wanted
 
     def _put_rope_offset(self, buf: torch.Tensor, text: tuple[np.ndarray, np.ndarray] | None, rows: int) -> None:

@@ -10,8 +10,11 @@ One engine step with speculation:
 4. the host commits the kept tokens through the output processor, token by token, so stop ids, EOS, stop strings,
    max_tokens, logprobs and min_tokens act as they would one token at a time: a stop inside the drafts ends the
    request there;
-5. a proposer drafts the next tokens (MTPProposer: draft step 0 over every kept row of the step, prefill chunks
-   included, so the draft layer's cache holds every position; then one row per request for each further draft).
+5. a proposer drafts the next tokens (MTPProposer). Its draft step 0 is queued behind the verification, before the
+   host reads it, over every row of the step (prefill chunks included, so the draft layer's cache holds every
+   position), each row fed the token after it on the device; the host reads the verification while the device
+   drafts, commits, and then takes each request's draft at its last kept row (one wait for the device a step at
+   k = 1); each further draft is one row per request, fed the draft before it.
 
 Rollback. Attention caches (the target's and the draft layer's K/V, QSA raw and compressed keys) are written by
 position: a rejected draft's rows are rewritten when its position is computed again, before any query reads them
@@ -57,25 +60,54 @@ from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
 
 @dataclass
 class DraftEntry:
-    """A request of the step just completed, for the proposer: its rows start..start+num_rows-1 were kept (for a
-    verified request, its last sampled token and the accepted drafts), `row` is the first of them in the step's
-    multi-stream states, and it wants num_drafts drafts after its last token (0 for a prefill chunk that does not
-    end its prompt)."""
+    """A request of the step just completed (its kept tokens committed), for the proposer: it wants num_drafts drafts
+    after its last token; draft_row: its last kept row among draft step 0's wanted rows (-1: none), stream_row: that
+    row among the step's rows."""
 
     request: Request
-    start: int
-    num_rows: int
-    row: int
     num_drafts: int
+    draft_row: int = -1
+    stream_row: int = -1
 
 
 @dataclass
 class DraftBatch:
     entries: list[DraftEntry]
-    streams: torch.Tensor  # [T, hc*H] the step's multi-stream states (runner.execute(..., return_streams=True))
+    launched: object = None  # what the proposer's `launch` returned for the step
 
 
-class MTPProposer:
+class Proposer:
+    """Drafts for the engine. `launch` queues work behind a step's verification, before the host has read it (the
+    draft layer's step 0); `propose` gives each entry's drafts once the step's tokens are committed."""
+
+    def launch(self, chunks: list[RequestChunk], streams: torch.Tensor, next_ids: torch.Tensor | None):
+        return None
+
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        raise NotImplementedError
+
+
+class DraftLaunch:
+    """Draft step 0 on the device: the greedy draft at each wanted row and every row's states (a graph's output:
+    valid until the draft layer's next replay), with the drafts' host copy in flight behind an event."""
+
+    def __init__(self, tokens: torch.Tensor, streams: torch.Tensor):
+        self.tokens, self.streams = tokens, streams
+        self._host, self._ready = None, None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def host_tokens(self) -> list[int]:
+        if self._ready is None:
+            return self.tokens.tolist()
+        self._ready.synchronize()
+        return self._host.tolist()
+
+
+class MTPProposer(Proposer):
     """Greedy drafts from the model's MTP layer (model/mtp.py's drafting contract), on the step's cache pages.
     `graphs`: the draft layer's CUDA graphs (cuda_graph.py, `draft=True`), which take every draft step that fits
     them; None: eager."""
@@ -87,7 +119,7 @@ class MTPProposer:
         self.graphs = graphs if graphs is not None and len(model.mtp.layers) == 1 else None
 
     def _draft(self, chunks: list[RequestChunk], streams: torch.Tensor, pending: torch.Tensor | None, step: int):
-        """One draft step: (the greedy draft of each chunk wanting one, in chunk order; every row's new states)."""
+        """One draft step: (the greedy draft of each wanted row, in chunk order; every row's new states)."""
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.execute_draft(chunks, streams, pending)
         layout = self.builder.build(chunks)
@@ -97,43 +129,43 @@ class MTPProposer:
         return self.model.compute_logits(hidden[meta.logits_indices]).argmax(-1), streams
 
     @torch.inference_mode()
+    def launch(self, chunks: list[RequestChunk], streams: torch.Tensor, next_ids: torch.Tensor | None) -> DraftLaunch:
+        """Draft step 0 over every row of a step: `chunks` are the step's, each row fed the token after it (the
+        prompt's, or one the step emits: rows of `next_ids`), `streams` the target's states of those rows."""
+        return DraftLaunch(*self._draft(chunks, streams, next_ids, 0))
+
+    @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> list[list[int]]:
-        """Drafts for each entry (num_drafts of them, [] for none). Draft step 0 runs over every kept row of every
-        entry: row t brings the token at t + 1 (the prompt's next, or the token committed after it)."""
-        entries = batch.entries
-        if not entries:
-            return []
-        chunks, rows, ends = [], [], []
-        for e in entries:
-            req, n = e.request, e.num_rows
-            chunks.append(RequestChunk(req.token_ids(e.start + 1, e.start + n + 1), e.start, [], req.pages,
-                                       req.state_slot, n - 1 if e.num_drafts else n))
-            rows += range(e.row, e.row + n)
-            ends.append(len(rows))
-        drafted, streams = self._draft(chunks, batch.streams[to_device(rows, self.device, torch.long)], None, 0)
-        drafting = [i for i, e in enumerate(entries) if e.num_drafts]
+        """Each entry's drafts: draft step 0's at its last kept row, then one row per request for each further
+        draft, fed the draft before it."""
+        entries, first = batch.entries, batch.launched
         out: list[list[int]] = [[] for _ in entries]
-        if not drafting:
+        active = [i for i, e in enumerate(entries) if e.num_drafts]  # in the order of the rows of `tokens`, `streams`
+        if not active:
             return out
-        tokens = [drafted]
-        streams = streams[to_device([ends[i] - 1 for i in drafting], self.device, torch.long)]
-        active = drafting  # entries still drafting, in the order of the rows of `tokens[-1]` and `streams`
-        steps = [active]
-        for j in range(1, max(entries[i].num_drafts for i in drafting)):
+        drafted = first.host_tokens()
+        for i in active:
+            out[i].append(drafted[entries[i].draft_row])
+        if all(entries[i].num_drafts == 1 for i in active):
+            return out
+        tokens = first.tokens[to_device([entries[i].draft_row for i in active], self.device, torch.long)]
+        streams = first.streams[to_device([entries[i].stream_row for i in active], self.device, torch.long)]
+        further, steps = [], []
+        for j in range(1, max(entries[i].num_drafts for i in active)):
             keep = [r for r, i in enumerate(active) if entries[i].num_drafts > j]
             active = [active[r] for r in keep]
             chunks = []
             for r, i in zip(keep, active):
-                e = entries[i]
-                # the row of position (the entry's last kept row) + j, fed draft j
-                chunks.append(RequestChunk([0], e.start + e.num_rows - 1 + j, [], e.request.pages,
-                                           e.request.state_slot, 0, pending_row=r))
+                req = entries[i].request
+                # the row of position (the last kept row) + j, fed draft j
+                chunks.append(RequestChunk([0], req.num_computed_tokens - 1 + j, [], req.pages, req.state_slot, 0,
+                                           pending_row=r))
             if len(keep) < streams.shape[0]:
                 streams = streams[to_device(keep, self.device, torch.long)]
-            drafted, streams = self._draft(chunks, streams, tokens[-1], j)
-            tokens.append(drafted)
+            tokens, streams = self._draft(chunks, streams, tokens, j)
+            further.append(tokens)
             steps.append(active)
-        for step_tokens, step_entries in zip(tokens, steps):
+        for step_tokens, step_entries in zip(further, steps):
             for i, t in zip(step_entries, step_tokens.tolist()):
                 out[i].append(t)
         return out
@@ -143,7 +175,7 @@ class MTPProposer:
 class SpecStep:
     """A launched step with speculation: its spans (request, start, end, first logits position) for the output
     processor, the logits rows kept for prompt logprobs, the requests verified (or sampling without drafts) with
-    their drafts, the verification on the device, the multi-stream states, and the requests sampled under a
+    their drafts, the verification on the device, the draft step queued behind it, and the requests sampled under a
     grammar."""
 
     spans: list[tuple[Request, int, int, int]]
@@ -151,8 +183,9 @@ class SpecStep:
     sample_reqs: list[Request]
     drafts: list[list[int]]
     verified: VerifiedBatch | None
-    streams: torch.Tensor
-    rows: list[int]  # each span's first row in `streams`
+    rows: list[int]  # each span's first row in the step
+    draft_rows: list[int]  # each span's first row among draft step 0's wanted rows (-1: none)
+    launched: object  # the proposer's draft step 0
     constrained: list[Request] = field(default_factory=list)  # sampled under a grammar's mask, one token each
     constrained_sampled: SampledBatch | None = None
 
@@ -176,8 +209,8 @@ class SpecDecodeStats:
 
 
 class SpecDecoder:
-    """The engine's speculative decoding: launches a step's verification and completes it (commit, state slots,
-    drafts). `proposer` is any object with `propose(DraftBatch) -> list[list[int]]` (default: MTPProposer)."""
+    """The engine's speculative decoding: launches a step's verification and draft step 0, and completes it
+    (commit, state slots, drafts). `proposer`: a Proposer (default: MTPProposer)."""
 
     def __init__(self, config: EngineConfig, model, cache: ModelCache, page_size: int, device, sampler: Sampler,
                  draft_graphs=None):
@@ -237,13 +270,47 @@ class SpecDecoder:
                                                  list(range(len(constrained))))
         for req in sample_reqs + constrained:
             req.num_pending += 1
-        return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, streams, rows,
-                        constrained, constrained_sampled)
+        launched, draft_rows = self._launch_draft(spans, chunks, streams, verified, constrained_sampled)
+        return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, rows,
+                        draft_rows, launched, constrained, constrained_sampled)
+
+    def _launch_draft(self, spans, chunks: list[RequestChunk], streams: torch.Tensor, verified: VerifiedBatch | None,
+                      constrained_sampled: SampledBatch | None) -> tuple[object, list[int]]:
+        """Queues draft step 0 over every row of the step, before the host reads the verification: row t is fed the
+        token at t + 1, the prompt's or the one this step emits there (the verification's row, on the device); a
+        verified request's draft is wanted at each of its rows, since the kept one is not known yet. Rows past a
+        rejection write the draft layer's cache at positions that the next step computes again before any query
+        reads them (as the target's rejected rows do). Returns (the proposer's launch, each span's first wanted
+        row)."""
+        parts = [x.token_ids for x in (verified.rows if verified else None, constrained_sampled) if x is not None]
+        next_ids = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
+        draft_chunks, draft_rows, wanted, emitted, constrained = [], [], 0, 0, 0
+        num_verified = verified.rows.token_ids.shape[0] if verified is not None else 0
+        for (req, start, end, first), chunk in zip(spans, chunks):
+            n = end - start
+            if chunk.state_token_slots is not None:  # verified: every row's token comes from the verification
+                token_ids, pending, num_pending, logits_from = [0] * n, emitted, n, 0
+                emitted += n
+            elif end == req.num_tokens:  # the last row's token is sampled by this step
+                if req.grammar is not None:  # sampled under its grammar: no drafts
+                    pending, logits_from = num_verified + constrained, n
+                    constrained += 1
+                else:
+                    pending, logits_from = emitted, n - 1
+                    emitted += 1
+                token_ids, num_pending = req.token_ids(start + 1, end) + [0], 1
+            else:  # a prompt chunk before the prompt's end: every next token is known
+                token_ids, pending, num_pending, logits_from = req.token_ids(start + 1, end + 1), -1, 1, n
+            draft_chunks.append(RequestChunk(token_ids, start, [], req.pages, req.state_slot, logits_from,
+                                             pending_row=pending, num_pending=num_pending))
+            draft_rows.append(wanted if logits_from < n else -1)
+            wanted += n - logits_from
+        return self.proposer.launch(draft_chunks, streams, next_ids), draft_rows
 
     def complete(self, engine, step: SpecStep) -> list:
-        """Reads the verification (waiting for the device), commits the kept tokens, moves each verified request to
-        the state slot of its last kept row, records the counters, frees finished sequences and drafts the next
-        tokens of the others. Returns the step's RequestOutputs."""
+        """Reads the verification (waiting for the device; draft step 0 runs meanwhile), commits the kept tokens,
+        moves each verified request to the state slot of its last kept row, records the counters, frees finished
+        sequences and drafts the next tokens of the others. Returns the step's RequestOutputs."""
         kept: dict[int, int] = {}  # id(request) -> rows kept by a verified request (1 + accepted drafts)
         commit_reqs, commit_rows = [], []
         stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.k)
@@ -275,12 +342,13 @@ class SpecDecoder:
             engine._free(req)
         sampled = {id(r) for r in step.sample_reqs}  # a grammar's request gets no drafts
         entries = []
-        for (req, start, end, first), row in zip(step.spans, step.rows):
+        for (req, start, end, first), row, draft_row in zip(step.spans, step.rows, step.draft_rows):
             if req.finished:
                 continue
             wants = self._num_drafts(req) if id(req) in sampled else 0
-            entries.append(DraftEntry(req, start, kept.get(id(req), end - start), row, wants))
-        drafts = self.proposer.propose(DraftBatch(entries, step.streams))
+            last = kept.get(id(req), end - start) - 1  # the span's last kept row
+            entries.append(DraftEntry(req, wants, draft_row + last if id(req) in kept else draft_row, row + last))
+        drafts = self.proposer.propose(DraftBatch(entries, step.launched))
         for e, d in zip(entries, drafts):
             e.request.draft_token_ids = d[: e.num_drafts]
         return outputs

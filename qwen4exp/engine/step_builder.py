@@ -30,9 +30,11 @@ class RequestChunk:
     pages: list[int]  # page ids covering at least context_len + len(token_ids) tokens
     state_slot: int
     logits_from: int  # first row (within token_ids) whose logits are wanted; len(token_ids) for none
-    # async scheduling: the row of the previous step's sampled ids (still on the device) that holds this chunk's
-    # last token, whose entry in token_ids is then a placeholder; -1 when token_ids is complete
+    # tokens still on the device: the chunk's last num_pending tokens are rows pending_row .. pending_row +
+    # num_pending - 1 of a tensor of ids (asynchronous scheduling: the previous step's samples, one token; the draft
+    # layer's first step: the tokens a verification emits), their entries in token_ids placeholders; -1: none
     pending_row: int = -1
+    num_pending: int = 1
     # speculative verification (token_ids: the last sampled token, then drafts): the slots that receive the
     # recurrent states after rows 0 .. len(token_ids)-2 (model/metadata.py); None for any other chunk
     state_token_slots: list[int] | None = None
@@ -87,7 +89,7 @@ class StepLayout:
     new_block_slots: np.ndarray  # [NB] flat block-key row
     new_block_positions: np.ndarray  # [NB] position of the block's first token
     logits_indices: np.ndarray  # [L] token rows whose logits are wanted, in request order
-    pending: list[tuple[int, int]]  # (token row, row of the previous step's sampled ids) for async-scheduled tokens
+    pending: list[tuple[int, int]]  # (token row, row of the ids on the device) of each pending token
     # speculative verification: requests num_decode_reqs .. + num_verify_reqs - 1 are verified ones, and
     # state_token_slots [T] the slot of each row's state (-1: none); None without them
     num_verify_reqs: int = 0
@@ -261,7 +263,8 @@ class StepBuilder:
             new_block_slots=block_slots,
             new_block_positions=block_positions,
             logits_indices=logits,
-            pending=[(qsl[r + 1] - 1, c.pending_row) for r, c in enumerate(chunks) if c.pending_row >= 0],
+            pending=[(qsl[r + 1] - c.num_pending + i, c.pending_row + i) for r, c in enumerate(chunks)
+                     if c.pending_row >= 0 for i in range(c.num_pending)],
             num_verify_reqs=num_verify,
             state_token_slots=token_slots,
         )
