@@ -20,6 +20,7 @@ batch. Logprobs are those of the raw logits at each emitted token's row, as with
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,7 @@ class RejectionSampler:
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
+        self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
                stop_ids: list[list[int]]) -> VerifiedBatch:
@@ -87,39 +89,37 @@ class RejectionSampler:
         each draft's). A request without drafts samples one token, as the sampler would."""
         device = logits.device
         num_rows = [1 + len(d) for d in drafts]
-        views, row_stop_ids, row_draft, starts = [], [], [], []
-        for req, ds, stops in zip(requests, drafts, stop_ids):
-            starts.append(len(views))
-            for j in range(len(ds) + 1):
-                views.append(RowView(req.request_id, req.index, req.params, req.prompt_token_ids,
-                                     req.output_token_ids + ds[:j]))
-                row_stop_ids.append(stops)
-                row_draft.append(ds[j] if j < len(ds) else -1)
-        n = len(views)
+        starts = list(itertools.accumulate(num_rows, initial=0))[:-1]
+        row_params = [req.params for req, m in zip(requests, num_rows) for _ in range(m)]
+        n = len(row_params)
         raw = logits
-        if any(_adjusts_logits(v.params) for v in views):
+        if any(_adjusts_logits(req.params) for req in requests):
+            # rows as sampling sees them (the drafts before a row count as generated): built only here, a copy of
+            # the output so far per row
+            views = [RowView(req.request_id, req.index, req.params, req.prompt_token_ids,
+                             req.output_token_ids + ds[:j]) for req, ds in zip(requests, drafts)
+                     for j in range(len(ds) + 1)]
             logits = logits.to(torch.float32, copy=True)
             self.sampler.apply_bans(logits, views)
-            logits = apply_penalties(logits, views, row_stop_ids)
-        draft = to_device(row_draft, device, torch.long)
+            logits = apply_penalties(logits, views, [stops for stops, m in zip(stop_ids, num_rows) for _ in range(m)])
+        draft = to_device([t for ds in drafts for t in (*ds, -1)], device, torch.long)
         has_draft = draft >= 0
         safe_draft = draft.clamp_min(0)
         tokens = logits.argmax(-1)  # greedy rows: the argmax is both the check and the emitted token
         accept = has_draft & (tokens == draft)
-        sampled = [i for i, v in enumerate(views) if not v.params.greedy]
+        sampled = [i for i, p in enumerate(row_params) if not p.greedy]
         if sampled:
             rows = sampled if len(sampled) < n else None
             index = to_device(sampled, device, torch.long) if rows is not None else None
             picked = logits if rows is None else logits[index]
-            p = torch.softmax(_filter(picked.float(), [views[i] for i in sampled]), dim=-1)
+            p = torch.softmax(_filter(picked.float(), [row_params[i] for i in sampled]), dim=-1)
             d, has = (safe_draft, has_draft) if rows is None else (safe_draft[index], has_draft[index])
             u, e = self._random(requests, drafts, starts, sampled, p.shape)
             # greedy drafts: q is one-hot at the draft, so q(d) = 1 and max(0, p - q) is p without d; the last row
             # has no draft (q = 0): the bonus token, from p
             p_draft = p.gather(1, d[:, None])[:, 0]
             accepted = has & (u < acceptance_probability(p_draft, torch.ones_like(p_draft)))
-            at_draft = has.nonzero()[:, 0]
-            p[at_draft, d[at_draft]] = 0.0
+            p.scatter_(1, d[:, None], torch.where(has, 0.0, p_draft)[:, None])  # rows without a draft: unchanged
             # the exponential race argmax(w / E), E ~ Exp(1), samples from w normalized
             emitted = p.div_(e).argmax(-1)
             if rows is None:
@@ -128,14 +128,11 @@ class RejectionSampler:
                 accept = accept.clone()
                 accept[index], tokens[index] = accepted, emitted
         # accepted drafts per request: the leading run of accepted rows
-        width = max(num_rows)
-        grid = [[s + j if j < m else n for j in range(width)] for s, m in zip(starts, num_rows)]
-        padded = torch.cat([accept, accept.new_zeros(1)])[to_device(grid, device, torch.long)]
+        grid, local, row_req = self._layout(tuple(num_rows), device)
+        padded = torch.cat([accept, accept.new_zeros(1)])[grid]
         num_accepted = padded.long().cumprod(-1).sum(-1)
-        local = to_device([j for m in num_rows for j in range(m)], device, torch.long)
-        row_req = to_device([i for i, m in enumerate(num_rows) for _ in range(m)], device, torch.long)
         out = torch.where(local < num_accepted[row_req], draft, tokens)
-        ks = [v.params.logprobs for v in views]
+        ks = [p.logprobs for p in row_params]
         if all(k is None for k in ks):
             batch = SampledBatch(out, None, None, None, ks)
         else:
@@ -146,6 +143,21 @@ class RejectionSampler:
             top = raw_logprobs.topk(min(max_k, raw.shape[-1]), dim=-1) if max_k else None
             batch = SampledBatch(out, chosen, ranks, top, ks)
         return VerifiedBatch(batch, num_accepted, num_rows).start_copy()
+
+    def _layout(self, num_rows: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For requests of num_rows rows each: each request's rows padded to the widest with row n (past the last),
+        each row's index within its request, and its request; kept per shape (a decode batch repeats its shape)."""
+        key = (num_rows, str(device))
+        if key not in self._layouts:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            n, width = sum(num_rows), max(num_rows)
+            starts = itertools.accumulate(num_rows, initial=0)
+            grid = [[s + j if j < m else n for j in range(width)] for s, m in zip(starts, num_rows)]
+            self._layouts[key] = (to_device(grid, device, torch.long),
+                                  to_device([j for m in num_rows for j in range(m)], device, torch.long),
+                                  to_device([i for i, m in enumerate(num_rows) for _ in range(m)], device, torch.long))
+        return self._layouts[key]
 
     def _random(self, requests, drafts, starts, sampled: list[int], shape) -> tuple[torch.Tensor, torch.Tensor]:
         """Uniforms for the draft rows and exponentials [len(sampled), V] for every row of `sampled` (positions in

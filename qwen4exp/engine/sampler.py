@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .request import Request
+from .request import Request, SamplingParams
 from .step_builder import to_device
 from .structured_output import GrammarMask
 
@@ -81,18 +81,18 @@ def banned_next(req: Request) -> list[int]:
             if 1 < len(w) <= n + 1 and out[n - len(w) + 1:] == w[:-1]]
 
 
-def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, min_p, top_k, top_p on non-greedy rows (masked entries become -inf)."""
-    temps = to_device([r.params.temperature for r in requests], logits.device, logits.dtype)
+    temps = to_device([p.temperature for p in params], logits.device, logits.dtype)
     logits = logits / temps[:, None]
     # the branches test the host-side parameters: a test on a device tensor would wait for the GPU
-    if any(r.params.min_p > 0 for r in requests):
-        min_p = to_device([r.params.min_p for r in requests], logits.device, logits.dtype)
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device([p.min_p for p in params], logits.device, logits.dtype)
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
-    top_k = [r.params.top_k for r in requests]
-    if any(top_k) or any(r.params.top_p < 1 for r in requests):
-        top_p = to_device([r.params.top_p for r in requests], logits.device, logits.dtype)
+    top_k = [p.top_k for p in params]
+    if any(top_k) or any(p.top_p < 1 for p in params):
+        top_p = to_device([p.top_p for p in params], logits.device, logits.dtype)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
         k = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], logits.device)
@@ -182,7 +182,7 @@ class Sampler:
             every_row = len(sampled_rows) == len(requests)
             rows = None if every_row else to_device(sampled_rows, logits.device)
             picked = logits if every_row else logits[rows]
-            probs = torch.softmax(_filter(picked.float(), [requests[i] for i in sampled_rows]), dim=-1)
+            probs = torch.softmax(_filter(picked.float(), [requests[i].params for i in sampled_rows]), dim=-1)
             q = torch.empty_like(probs)
             # unseeded rows share the engine's generator: one launch for all of them, not one per row (64 launches
             # per step at batch 64); seeded rows draw from their own generator so their tokens ignore the batch
