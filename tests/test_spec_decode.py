@@ -314,7 +314,7 @@ class RecordingProposer:
         return self.proposer.launch(*args)
 
     def propose(self, batch: DraftBatch) -> list[list[int]]:
-        drafts = self.proposer.propose(batch)
+        drafts = self.proposer.propose(batch).tolist()
         for e, d in zip(batch.entries, drafts):
             if d:
                 req = e.request
@@ -598,7 +598,7 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
             proposer.launch = launch_first
         drafts = proposed[graphs] = []
         propose = proposer.propose
-        proposer.propose = lambda batch: (lambda out: drafts.append(out) or out)(propose(batch))
+        proposer.propose = lambda batch: (lambda out: drafts.append(out.tolist()) or out)(propose(batch))
         assert_same_outputs(serve(llm, requests), expected, requests)
         assert engine.cache.all_free()
     assert proposed[True] == proposed[False] and any(any(len(x) > 1 for x in out) for out in proposed[True])

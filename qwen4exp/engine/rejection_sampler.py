@@ -84,9 +84,11 @@ class RejectionSampler:
         self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
-               stop_ids: list[list[int]]) -> VerifiedBatch:
+               stop_ids: list[list[int]], draft_ids: torch.Tensor | None = None) -> VerifiedBatch:
         """logits: [N, V] raw fp32 logits, request i owning the next 1 + len(drafts[i]) rows (its last token's, then
-        each draft's). A request without drafts samples one token, as the sampler would."""
+        each draft's). A request without drafts samples one token, as the sampler would. draft_ids: each row's draft
+        on the device (-1: none), where the drafts' values are not on the host (`drafts` then only count them; no
+        request may adjust its logits from its history)."""
         device = logits.device
         num_rows = [1 + len(d) for d in drafts]
         starts = list(itertools.accumulate(num_rows, initial=0))[:-1]
@@ -94,6 +96,7 @@ class RejectionSampler:
         n = len(row_params)
         raw = logits
         if any(_adjusts_logits(req.params) for req in requests):
+            assert draft_ids is None, "rows that read the drafts as history need their values on the host"
             # rows as sampling sees them (the drafts before a row count as generated): built only here, a copy of
             # the output so far per row
             views = [RowView(req.request_id, req.index, req.params, req.prompt_token_ids,
@@ -102,7 +105,8 @@ class RejectionSampler:
             logits = logits.to(torch.float32, copy=True)
             self.sampler.apply_bans(logits, views)
             logits = apply_penalties(logits, views, [stops for stops, m in zip(stop_ids, num_rows) for _ in range(m)])
-        draft = to_device([t for ds in drafts for t in (*ds, -1)], device, torch.long)
+        draft = draft_ids if draft_ids is not None else to_device([t for ds in drafts for t in (*ds, -1)], device,
+                                                                  torch.long)
         has_draft = draft >= 0
         safe_draft = draft.clamp_min(0)
         tokens = logits.argmax(-1)  # greedy rows: the argmax is both the check and the emitted token

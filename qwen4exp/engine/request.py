@@ -251,6 +251,9 @@ class Request:
     # slots, which receive the states after each verified row (one of them becomes state_slot when drafts are
     # rejected)
     draft_token_ids: list[int] = field(default_factory=list)
+    # the draft layer's drafts stay on the device: (ids, first row) holds their values, draft_token_ids only their
+    # number; None: draft_token_ids are the values
+    drafts_on_device: Any = None
     spare_slots: list[int] = field(default_factory=list)
     # the xgrammar GrammarMatcher of a structured-output request: it has accepted every id in output_token_ids
     grammar: Any = None

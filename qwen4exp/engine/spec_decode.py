@@ -53,7 +53,7 @@ from ..config import EngineConfig
 from ..model import ModelCache
 from .rejection_sampler import RejectionSampler, VerifiedBatch
 from .request import Request
-from .sampler import SampledBatch, Sampler, SamplerOutput
+from .sampler import SampledBatch, Sampler, SamplerOutput, _adjusts_logits
 from .scheduler import SchedulerOutput
 from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
 
@@ -76,6 +76,40 @@ class DraftBatch:
     launched: object = None  # what the proposer's `launch` returned for the step
 
 
+@dataclass
+class DeviceDrafts:
+    """Drafts left on the device (a proposer's answer the host need not wait for): entry i's are ids[i * width:
+    i * width + counts[i]]."""
+
+    ids: torch.Tensor  # [entries * width]
+    width: int
+    counts: list[int]
+
+    def tolist(self) -> list[list[int]]:
+        flat = self.ids.tolist()
+        return [flat[i * self.width: i * self.width + n] for i, n in enumerate(self.counts)]
+
+
+class DeviceIds:
+    """One tensor of ids gathered from several on the device, for a step's pending tokens."""
+
+    def __init__(self):
+        self.parts, self.size, self.offsets = [], 0, {}
+
+    def offset(self, ids: torch.Tensor) -> int:
+        """Where `ids` starts in the gathered tensor."""
+        if id(ids) not in self.offsets:
+            self.offsets[id(ids)] = self.size
+            self.parts.append(ids)
+            self.size += ids.numel()
+        return self.offsets[id(ids)]
+
+    def tensor(self) -> torch.Tensor | None:
+        if len(self.parts) > 1:
+            return torch.cat(self.parts)
+        return self.parts[0] if self.parts else None
+
+
 class Proposer:
     """Drafts for the engine. `launch` queues work behind a step's verification, before the host has read it (the
     draft layer's step 0); `propose` gives each entry's drafts once the step's tokens are committed."""
@@ -83,7 +117,7 @@ class Proposer:
     def launch(self, chunks: list[RequestChunk], streams: torch.Tensor, next_ids: torch.Tensor | None):
         return None
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
+    def propose(self, batch: DraftBatch) -> list[list[int]] | DeviceDrafts:
         raise NotImplementedError
 
 
@@ -135,23 +169,22 @@ class MTPProposer(Proposer):
         return DraftLaunch(*self._draft(chunks, streams, next_ids, 0))
 
     @torch.inference_mode()
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
-        """Each entry's drafts: draft step 0's at its last kept row, then one row per request for each further
-        draft, fed the draft before it."""
+    def propose(self, batch: DraftBatch) -> DeviceDrafts:
+        """Each entry's drafts, on the device: draft step 0's at its last kept row, then one row per request for
+        each further draft, fed the draft before it. Nothing here waits for the device."""
         entries, first = batch.entries, batch.launched
-        out: list[list[int]] = [[] for _ in entries]
         active = [i for i, e in enumerate(entries) if e.num_drafts]  # in the order of the rows of `tokens`, `streams`
+        counts = [e.num_drafts for e in entries]
+        width = max(counts, default=0)
         if not active:
-            return out
-        drafted = first.host_tokens()
-        for i in active:
-            out[i].append(drafted[entries[i].draft_row])
-        if all(entries[i].num_drafts == 1 for i in active):
-            return out
+            return DeviceDrafts(torch.zeros(0, dtype=torch.long, device=self.device), 0, counts)
         tokens = first.tokens[to_device([entries[i].draft_row for i in active], self.device, torch.long)]
+        if width == 1 and len(active) == len(entries):
+            return DeviceDrafts(tokens, 1, counts)
+        out = torch.zeros(len(entries), width, dtype=torch.long, device=self.device)
+        out[to_device(active, self.device, torch.long), 0] = tokens
         streams = first.streams[to_device([entries[i].stream_row for i in active], self.device, torch.long)]
-        further, steps = [], []
-        for j in range(1, max(entries[i].num_drafts for i in active)):
+        for j in range(1, width):
             keep = [r for r, i in enumerate(active) if entries[i].num_drafts > j]
             active = [active[r] for r in keep]
             chunks = []
@@ -163,12 +196,8 @@ class MTPProposer(Proposer):
             if len(keep) < streams.shape[0]:
                 streams = streams[to_device(keep, self.device, torch.long)]
             tokens, streams = self._draft(chunks, streams, tokens, j)
-            further.append(tokens)
-            steps.append(active)
-        for step_tokens, step_entries in zip(further, steps):
-            for i, t in zip(step_entries, step_tokens.tolist()):
-                out[i].append(t)
-        return out
+            out[to_device(active, self.device, torch.long), j] = tokens
+        return DeviceDrafts(out.view(-1), width, counts)
 
 
 @dataclass
@@ -225,12 +254,19 @@ class SpecDecoder:
         n_ctx = engine.model_config.ngram_size - 1
         # decodes, then verified requests, then prefill chunks: the runner's order, so the states' rows follow ours
         scheduled = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
+        self._read_drafts_for_adjusted_rows(scheduled)
         chunks, spans, rows, row = [], [], [], 0
+        device_ids = DeviceIds()  # the drafts left on the device
+        draft_rows = []  # per verified row: its draft's row in device_ids, or its value (host drafts), -1 for none
         for s in scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
             drafts = req.draft_token_ids[: s.num_draft_tokens]
             first = start if drafts else engine._logits_from(req, start, end)
+            pending_row = -1
+            if drafts and req.drafts_on_device is not None:
+                ids, offset = req.drafts_on_device
+                pending_row = device_ids.offset(ids) + offset
             chunks.append(RequestChunk(
                 token_ids=req.token_ids(start, end - len(drafts)) + drafts,
                 context_len=start,
@@ -238,12 +274,15 @@ class SpecDecoder:
                 pages=req.pages,
                 state_slot=req.state_slot,
                 logits_from=first - start,
+                pending_row=pending_row,
+                num_pending=len(drafts) if pending_row >= 0 else 1,
                 state_token_slots=req.spare_slots[: len(drafts)] if drafts else None,
             ))
             spans.append((req, start, end, first))
             rows.append(row)
             row += s.num_tokens
-        logits, streams = engine.runner.execute(chunks, None, mixed_graphs, return_streams=True)
+        pending_ids = device_ids.tensor()
+        logits, streams = engine.runner.execute(chunks, pending_ids, mixed_graphs, return_streams=True)
         logit_rows, sample_reqs, sample_drafts, keep_logits, row = [], [], [], False, 0
         constrained_rows, constrained = [], []
         for (req, start, end, first), chunk in zip(spans, chunks):
@@ -263,8 +302,19 @@ class SpecDecoder:
         if sample_reqs:
             logits_s = logits if logit_rows == list(range(logits.shape[0])) else logits[to_device(logit_rows,
                                                                                                   logits.device)]
+            draft_ids = None
+            if pending_ids is not None:  # each verified row's draft, gathered where the drafts are (-1: none)
+                index = []
+                for req, drafts in zip(sample_reqs, sample_drafts):
+                    if drafts:
+                        ids, offset = req.drafts_on_device
+                        first_row = device_ids.offset(ids) + offset
+                        index += range(first_row, first_row + len(drafts))
+                    index.append(-1)
+                index = to_device(index, logits.device, torch.long)
+                draft_ids = torch.where(index >= 0, pending_ids[index.clamp_min(0)], -1)
             verified = self.rejection.verify(logits_s, sample_reqs, sample_drafts,
-                                             [engine._stop_ids(r) for r in sample_reqs])
+                                             [engine._stop_ids(r) for r in sample_reqs], draft_ids)
         if constrained:
             constrained_sampled = engine._sample(logits[to_device(constrained_rows, logits.device)], constrained,
                                                  list(range(len(constrained))))
@@ -273,6 +323,21 @@ class SpecDecoder:
         launched, draft_rows = self._launch_draft(spans, chunks, streams, verified, constrained_sampled)
         return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, rows,
                         draft_rows, launched, constrained, constrained_sampled)
+
+    @staticmethod
+    def _read_drafts_for_adjusted_rows(scheduled) -> None:
+        """Drafts left on the device are read (waiting for it) when a request of the step adjusts its logits (the
+        rejection sampler's rows then see the drafts before them as generated: penalties, bad words, min_tokens) or
+        when a step would mix them with drafts on the host (a proposer that answered both ways)."""
+        drafted = [s.request for s in scheduled if s.num_draft_tokens]
+        on_device = [r for r in drafted if r.drafts_on_device is not None]
+        if not on_device or (len(on_device) == len(drafted)
+                             and not any(_adjusts_logits(s.request.params) for s in scheduled)):
+            return
+        for req in on_device:
+            ids, offset = req.drafts_on_device
+            req.draft_token_ids = ids[offset: offset + len(req.draft_token_ids)].tolist()
+            req.drafts_on_device = None
 
     def _launch_draft(self, spans, chunks: list[RequestChunk], streams: torch.Tensor, verified: VerifiedBatch | None,
                       constrained_sampled: SampledBatch | None) -> tuple[object, list[int]]:
@@ -349,8 +414,14 @@ class SpecDecoder:
             last = kept.get(id(req), end - start) - 1  # the span's last kept row
             entries.append(DraftEntry(req, wants, draft_row + last if id(req) in kept else draft_row, row + last))
         drafts = self.proposer.propose(DraftBatch(entries, step.launched))
-        for e, d in zip(entries, drafts):
-            e.request.draft_token_ids = d[: e.num_drafts]
+        if isinstance(drafts, DeviceDrafts):
+            for i, (e, n) in enumerate(zip(entries, drafts.counts)):
+                e.request.draft_token_ids = [0] * n
+                e.request.drafts_on_device = (drafts.ids, i * drafts.width) if n else None
+        else:
+            for e, d in zip(entries, drafts):
+                e.request.draft_token_ids = d[: e.num_drafts]
+                e.request.drafts_on_device = None
         return outputs
 
     def _num_drafts(self, req: Request) -> int:
