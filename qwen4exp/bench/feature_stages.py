@@ -96,12 +96,11 @@ def spec_dummy(results, device, log, preset: str = OURS_PRESET, engine_options: 
 
     The time of a speculative step. Random weights' drafts are almost never accepted, so speed with speculation
     says nothing of its benefit here; the cost of a step it does give. A step of one request runs the target over
-    1 + k rows (its last token and k drafts, whatever is accepted afterwards), then the draft layer once over the
-    kept rows and k - 1 times over one row. A batch-1 run emits `acceptance length` tokens a step, so TPOT x
-    acceptance length is the time of its steps, measured at whatever acceptance the weights give; acceptance changes
-    it only through the draft layer's first step, which runs over 1 + accepted rows (one decoder layer's work for a
-    few rows more). So neither forced acceptance nor timing the verification alone is needed: `step_over_k0` is
-    that time over a plain decode step's (TPOT at k = 0), drafting and the synchronous scheduling of speculation
+    1 + k rows (its last token and k drafts, whatever is accepted afterwards), then the draft layer once over those
+    rows and k - 1 times over one row. A batch-1 run emits `acceptance length` tokens a step, so TPOT x acceptance
+    length is the time of its steps, measured at whatever acceptance the weights give; acceptance does not change
+    the work of a step. So neither forced acceptance nor timing the verification alone is needed: `step_over_k0` is
+    that time over a plain decode step's (TPOT at k = 0), drafting and the host's wait for each verification
     included, and the projection (stage_spec_decode) divides the trained model's tokens per step by it."""
     from ..config import EngineConfig
     from .engines import dummy_engine, preset_model_config, return_gpu_memory

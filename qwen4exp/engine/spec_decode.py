@@ -35,7 +35,9 @@ experts per MoE layer; the price of the slots is memory, (1 + k) x the states pe
 
 CUDA graphs: with speculation every step returns the multi-stream states, so the runner replays speculative
 mixed-layout graphs (cuda_graph.py) for decode and verify steps, and the draft layer's steps replay graphs of
-their own (MTPProposer.graphs). Asynchronous scheduling is off (the next step's tokens are the accepted ones).
+their own (MTPProposer.graphs). The engine's asynchronous scheduling is off (a step's tokens are the ones the
+previous step accepted, read by the host): instead the drafts stay on the device (DeviceDrafts) as the next step's
+pending tokens, and the host's only wait a step is for the verification, while the device drafts.
 
 A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
 speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through

@@ -26,8 +26,10 @@ Drafting with it (`Qwen4ExpForCausalLM` built with mtp=True, e.g. `weights.loade
   with input_ids shifted by one within each request: row t gets the token at position t+1, which is the prompt's
   next token, or the token sampled (accepted) after row t. Positions, slot mapping, block tables and QSA block
   rows stay the target's: the draft layer's cache row of position t holds (S_t, x_{t+1}). Rows after a request's
-  last accepted one may be left out (with their streams rows). Draft token 1 is sampled from
-  `model.compute_logits(h[each request's last row])`.
+  last accepted one may be left out (with their streams rows), or computed with whatever token the verification
+  emitted there (the engine does, to queue this step before the host knows which rows are kept): their positions
+  are computed again before any query reads them. Draft token 1 is sampled from
+  `model.compute_logits(h[each request's last kept row])`.
 - draft step j >= 1: one row per request at the next position, input_ids the previous draft token, streams the
   previous step's `s` at that request's row: `model.draft(meta_j, cache, s_rows, step=j)`, which runs MTP layer
   j % mtp_num_hidden_layers.
