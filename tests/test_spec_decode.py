@@ -516,11 +516,13 @@ class EagerSpeculativeGraphs:
 
 
 @pytest.mark.slow
-def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkeypatch):
+@pytest.mark.parametrize("drafts", ["half right", "mtp"])
+def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkeypatch, drafts):
     """The ops' GPU paths (Triton kernels in the interpreter): decodes, verified requests and prefill chunks in one
     step (GDN's recurrent kernel storing the state after each verified row, the conv's token states before its
     varlen kernels), eagerly and on the speculative CUDA graphs' buffers (steps of at most 6 tokens), give decoding's
-    tokens and logprobs without speculation, with drafts half right. (QSA is dense here: its batched selection may
+    tokens and logprobs without speculation, with drafts half right (from the host) and with the draft layer's (left
+    on the device: the graph buffers take them as pending tokens). (QSA is dense here: its batched selection may
     break ties between equal block scores otherwise than the reference.)"""
     from qwen4exp import ops
 
@@ -534,8 +536,9 @@ def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkey
     monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
     llm = LLM(tiny_dir, **small, speculative_config=speculative(2))
     engine = llm.llm_engine
-    engine.spec.proposer = ScriptedProposer({rid: o.outputs[0].token_ids for rid, o in expected.items()},
-                                            wrong_half)
+    if drafts == "half right":
+        engine.spec.proposer = ScriptedProposer({rid: o.outputs[0].token_ids for rid, o in expected.items()},
+                                                wrong_half)
     graphs = engine.runner.graphs = EagerSpeculativeGraphs(llm, 2, [1, 2], 12)
     steps = []
     execute = engine.runner.execute
@@ -554,7 +557,7 @@ def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkey
 @pytest.mark.slow
 def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatch):
     """The draft layer's CUDA-graph steps (cuda_graph.py, draft=True: the mixed layout, the states copied into their
-    buffer, the greedy token of each request's last row), executed eagerly on the metadata a graph captures (CPU: no
+    buffer, the greedy token of every row), executed eagerly on the metadata a graph captures (CPU: no
     capture), propose the very drafts the eager draft layer proposes, in draft step 0 (kept rows of decodes,
     verified requests and prefill chunks) and the further draft steps; outputs stay decoding's."""
     from qwen4exp import ops
