@@ -54,6 +54,57 @@ def default_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(out))
 
 
+class StagedBuffers:
+    """Device buffers that a step fills from the host in one copy: every buffer is a view into one device arena,
+    written on the host into a page-locked copy of it (numpy views), then sent whole. A step's twenty-odd fields
+    would otherwise be as many host-to-device copies, each ~10 us of host time on the critical path of a step the
+    host cannot prepare ahead (speculative verification). Two host copies alternate, each reused only once the copy
+    that last read it has run, since the host may run a step ahead of the device."""
+
+    ALIGN = 16
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device):
+        device = torch.device(device)
+        offsets, size = {}, 0
+        for name, (shape, dtype) in specs.items():
+            offsets[name] = size
+            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+            size += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.size = max(size, self.ALIGN)
+        self.arena = torch.zeros(self.size, dtype=torch.uint8, device=device)
+        pinned = device.type == "cuda"
+        self.hosts = [torch.zeros(self.size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+
+        def views(buffer, to_numpy):
+            out = {}
+            for name, (shape, dtype) in specs.items():
+                n = int(np.prod(shape, dtype=np.int64))
+                t = buffer[offsets[name]:].view(dtype)[:n].view(shape)
+                out[name] = t.numpy() if to_numpy else t
+            return out
+
+        self.device = views(self.arena, False)
+        self.host_views = [views(h, True) for h in self.hosts]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The host copy to fill for the next `send` (waits, rarely, for the copy that last read it)."""
+        event = self.copied[self.turn]
+        if event is not None:
+            event.synchronize()
+        return self.host_views[self.turn]
+
+    def send(self) -> None:
+        """Queues the copy of the host copy just filled into the device buffers."""
+        host = self.hosts[self.turn]
+        self.arena.copy_(host, non_blocking=True)
+        if self.arena.is_cuda:
+            event = self.copied[self.turn] = torch.cuda.Event()
+            event.record()
+        self.turn ^= 1
+
+
 class CUDAGraphRunner:
     def __init__(self, model, cache: ModelCache, page_size: int, max_model_len: int, max_num_seqs: int, device,
                  buckets: list[int] | None = None, max_num_batched_tokens: int = 0, speculative: int = 0,
@@ -106,25 +157,28 @@ class CUDAGraphRunner:
         # the padding request's tokens sit at positions 0..T-1, past max_model_len when a bucket is longer than it
         # (steps of several short prompts): its table row (zeros, the null page) must reach them
         mixed_pages = -(-max(max_model_len, T) // self.page_size)
-        self.mbuf = dict(
-            input_ids=torch.zeros(T, **z), positions=torch.zeros(T, **z), slot_mapping=torch.zeros(T, **z),
-            token_req=torch.zeros(T, **z), token_local=torch.zeros(T, **z),
-            query_start_loc=torch.zeros(R + 1, dtype=torch.int32, device=self.device),
-            context_lens=torch.zeros(R, dtype=torch.int32, device=self.device), state_slots=torch.zeros(R, **z),
-            block_tables=torch.zeros(R, mixed_pages, dtype=torch.int32, device=self.device),
-            ngram_context=torch.zeros(R, max(c.ngram_size - 1, 0), **z),
-            has_initial=torch.zeros(R, dtype=torch.bool, device=self.device), logits_indices=torch.zeros(R, **z),
-            new_block_token_slots=torch.zeros(nb, C, **z), new_block_slots=torch.zeros(nb, **z),
-            new_block_positions=torch.zeros(nb, **z), rope_offset=torch.zeros(T, **z),
+        i64, i32 = torch.long, torch.int32
+        # the per-step fields of a mixed step, sent in one copy (StagedBuffers); the block tables (wide, mostly
+        # zeros) and the rotary offsets (zero but in steps with images) are written apart
+        specs = dict(
+            input_ids=((T,), i64), positions=((T,), i64), slot_mapping=((T,), i64), token_req=((T,), i64),
+            token_local=((T,), i64), query_start_loc=((R + 1,), i32), context_lens=((R,), i32),
+            state_slots=((R,), i64), ngram_context=((R, max(c.ngram_size - 1, 0)), i64),
+            has_initial=((R,), torch.bool), logits_indices=((R,), i64), new_block_token_slots=((nb, C), i64),
+            new_block_slots=((nb,), i64), new_block_positions=((nb,), i64),
         )
-        self.rope_offsets_set = False  # some rope_offset buffer holds a step's non-zero offsets
         self.draft = draft
+        if speculative and not draft:
+            specs["state_token_slots"] = ((T,), i64)
+        self.mstage = StagedBuffers(specs, self.device)
+        self.mbuf = dict(self.mstage.device,
+                         block_tables=torch.zeros(R, mixed_pages, dtype=torch.int32, device=self.device),
+                         rope_offset=torch.zeros(T, **z))
+        self.rope_offsets_set = False  # some rope_offset buffer holds a step's non-zero offsets
         if draft:  # the multi-stream state of each row, the draft layer's input
             self.streams_in = torch.zeros(T, c.hc_count * c.hidden_size, dtype=model.lm_head.weight.dtype,
                                           device=self.device)
-        elif speculative:
-            self.mbuf["state_token_slots"] = torch.full((T,), -1, **z)
-        self.mixed_arange = torch.arange(T, **z)
+        self.mixed_arange = np.arange(T, dtype=np.int64)
         self.mixed_table_width = 0
 
     def _meta(self, n: int, max_seq_len: int) -> StepMetadata:
@@ -201,8 +255,10 @@ class CUDAGraphRunner:
         t0 = time.perf_counter()
         for T, max_len in [(T, v) for T in sorted(self.mixed_sizes, reverse=True) for v in self.variants]:
             # largest first so smaller graphs reuse its pool; captured with every token in the padding request
-            self.mbuf["query_start_loc"].copy_(torch.tensor([0] * self.mixed_reqs + [T]))
-            self._fill_mixed_padding(T, 0)
+            h = self.mstage.host()
+            h["query_start_loc"][:] = [0] * self.mixed_reqs + [T]
+            self._fill_mixed_padding(h, T, 0)
+            self.mstage.send()
             self._capture_one(("mixed", T, max_len))
         for n, max_len in [(n, v) for n in sorted(self.buckets, reverse=True) for v in self.variants
                            if not self.speculative]:
@@ -270,14 +326,15 @@ class CUDAGraphRunner:
         tokens, streams_out = self._run(key)
         return tokens[host_to_device(wanted, tokens.device)], streams_out[:total]
 
-    def _fill_mixed_padding(self, T: int, total: int) -> None:
-        """Tokens total..T-1 belong to the padding request (last row), at positions 0, 1, ... of the null page."""
-        b, pad = self.mbuf, T - total
-        b["token_req"][total:T].fill_(self.mixed_reqs - 1)
-        b["token_local"][total:T].copy_(self.mixed_arange[:pad])
-        b["positions"][total:T].copy_(self.mixed_arange[:pad])
+    def _fill_mixed_padding(self, h: dict[str, np.ndarray], T: int, total: int) -> None:
+        """Tokens total..T-1 belong to the padding request (last row), at positions 0, 1, ... of the null page
+        (`h`: the host copy of the mixed buffers)."""
+        pad = T - total
+        h["token_req"][total:T] = self.mixed_reqs - 1
+        h["token_local"][total:T] = self.mixed_arange[:pad]
+        h["positions"][total:T] = self.mixed_arange[:pad]
         for name in ("input_ids", "slot_mapping"):
-            b[name][total:T].zero_()
+            h[name][total:T] = 0
 
     @staticmethod
     def _put(buf: torch.Tensor, rows: np.ndarray, pad_rows: int = 0, fill=0) -> None:
@@ -308,31 +365,37 @@ class CUDAGraphRunner:
         layout = layout or self.builder.build(chunks)
         n, R, total = layout.num_reqs, self.mixed_reqs, layout.num_tokens
         T = next(t for t in self.mixed_sizes if t >= total)
-        b, put = self.mbuf, self._put
+        b, h = self.mbuf, self.mstage.host()
         empty = R - n  # empty rows and the padding request: no state, null slot, null page
+
+        def put(name, rows, pad_rows=0, fill=0):
+            h[name][: len(rows)] = rows
+            h[name][len(rows): len(rows) + pad_rows] = fill
+
         for name in ("input_ids", "positions", "slot_mapping", "token_req", "token_local"):
-            put(b[name], getattr(layout, name))
+            put(name, getattr(layout, name))
         qsl = layout.query_start_loc + [total] * (empty - 1) + [T]
-        put(b["query_start_loc"], np.array(qsl, dtype=np.int32))
-        put(b["context_lens"], np.array(layout.context_lens, dtype=np.int32), empty)
-        put(b["state_slots"], np.array(layout.state_slots, dtype=np.int64), empty)
-        put(b["has_initial"], layout.has_initial(), empty)
-        if b["ngram_context"].shape[1]:
-            put(b["ngram_context"], layout.ngram_context, empty, self.eos)
+        put("query_start_loc", qsl)
+        put("context_lens", layout.context_lens, empty)
+        put("state_slots", layout.state_slots, empty)
+        put("has_initial", layout.has_initial(), empty)
+        if h["ngram_context"].shape[1]:
+            put("ngram_context", layout.ngram_context, empty, self.eos)
         # one logits row per request row: each request's last token
-        put(b["logits_indices"], np.array(qsl[1: n + 1], dtype=np.int64) - 1, empty)
+        put("logits_indices", np.array(qsl[1: n + 1], dtype=np.int64) - 1, empty)
         nb = T // self.C + R
         pad_blocks = nb - layout.new_block_slots.shape[0]
         for name in ("new_block_token_slots", "new_block_slots"):
-            put(b[name], getattr(layout, name), pad_blocks)
-        put(b["new_block_positions"], layout.new_block_positions if text is None else text[1], pad_blocks)
+            put(name, getattr(layout, name), pad_blocks)
+        put("new_block_positions", layout.new_block_positions if text is None else text[1], pad_blocks)
+        if "state_token_slots" in h:
+            token_slots = layout.state_token_slots
+            put("state_token_slots", token_slots if token_slots is not None else np.full(total, -1, np.int64),
+                T - total, -1)
+        self._fill_mixed_padding(h, T, total)
+        self.mstage.send()
         self._put_rope_offset(b["rope_offset"], text, T)
         self.mixed_table_width = self._put_tables(b["block_tables"], layout, R, self.mixed_table_width)
-        if "state_token_slots" in b:
-            token_slots = layout.state_token_slots
-            put(b["state_token_slots"], token_slots if token_slots is not None else np.full(total, -1, np.int64),
-                T - total, -1)
-        self._fill_mixed_padding(T, total)
         fill_pending(b["input_ids"], layout.pending, pending_ids)
         wanted = layout.logits_indices if self.speculative or self.draft else layout.token_req[layout.logits_indices]
         return ("mixed", T, self._variant(layout)), wanted
