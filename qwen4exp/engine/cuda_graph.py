@@ -123,15 +123,16 @@ class CUDAGraphRunner:
         self.C = C
         max_pages = -(-max_model_len // self.page_size)
         z = dict(dtype=torch.long, device=self.device)
-        self.buf = dict(
-            input_ids=torch.zeros(B, **z), positions=torch.zeros(B, **z), slot_mapping=torch.zeros(B, **z),
-            state_slots=torch.zeros(B, **z), context_lens=torch.zeros(B, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(B, max_pages, dtype=torch.int32, device=self.device),
-            ngram_context=torch.zeros(B, max(c.ngram_size - 1, 0), **z),
-            has_initial=torch.zeros(B, dtype=torch.bool, device=self.device),
-            new_block_token_slots=torch.zeros(B, C, **z), new_block_slots=torch.zeros(B, **z),
-            new_block_positions=torch.zeros(B, **z), rope_offset=torch.zeros(B, **z),
-        )
+        # a decode step's fields, sent in one copy (StagedBuffers), the block tables and rotary offsets apart
+        self.stage = StagedBuffers(dict(
+            input_ids=((B,), torch.long), positions=((B,), torch.long), slot_mapping=((B,), torch.long),
+            state_slots=((B,), torch.long), context_lens=((B,), torch.int32),
+            ngram_context=((B, max(c.ngram_size - 1, 0)), torch.long), has_initial=((B,), torch.bool),
+            new_block_token_slots=((B, C), torch.long), new_block_slots=((B,), torch.long),
+            new_block_positions=((B,), torch.long),
+        ), self.device)
+        self.buf = dict(self.stage.device, rope_offset=torch.zeros(B, **z),
+                        block_tables=torch.zeros(B, max_pages, dtype=torch.int32, device=self.device))
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self.arange = torch.arange(B, **z)
         self.zeros = torch.zeros(B, **z)
@@ -415,24 +416,28 @@ class CUDAGraphRunner:
                         text: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
         n = layout.num_reqs
         bucket = next(b for b in self.buckets if b >= n)
-        buf, put, pad = self.buf, self._put, bucket - n
-        for name in ("input_ids", "positions", "slot_mapping"):
-            put(buf[name], getattr(layout, name), pad)
-        put(buf["state_slots"], np.array(layout.state_slots, dtype=np.int64), pad)
-        put(buf["context_lens"], np.array(layout.context_lens, dtype=np.int32), pad)
-        put(buf["has_initial"], layout.has_initial(), pad)
-        if buf["ngram_context"].shape[1]:
-            put(buf["ngram_context"], layout.ngram_context, pad, self.eos)
+        buf, h, pad = self.buf, self.stage.host(), bucket - n
+
+        def put(name, rows, fill=0):
+            h[name][: len(rows)] = rows
+            h[name][len(rows): len(rows) + pad] = fill
+
+        for name in ("input_ids", "positions", "slot_mapping", "state_slots", "context_lens"):
+            put(name, getattr(layout, name))
+        put("has_initial", layout.has_initial())
+        if h["ngram_context"].shape[1]:
+            put("ngram_context", layout.ngram_context, self.eos)
         # one QSA block row per request: the block its token completes, else the null page's
         blocks = layout.new_block_rows
         block_positions = layout.new_block_positions if text is None else text[1]
         for name, rows in (("new_block_token_slots", layout.new_block_token_slots),
                            ("new_block_slots", layout.new_block_slots), ("new_block_positions", block_positions)):
             if rows.shape[0] != bucket:
-                full = np.zeros((bucket, *rows.shape[1:]), dtype=rows.dtype)
-                full[blocks] = rows
-                rows = full
-            put(buf[name], rows)
+                h[name][:bucket] = 0
+                h[name][blocks] = rows
+            else:
+                h[name][:bucket] = rows
+        self.stage.send()
         self._put_rope_offset(buf["rope_offset"], text, bucket)
         fill_pending(buf["input_ids"], layout.pending, pending_ids)
         self.table_width = self._put_tables(buf["block_tables"], layout, bucket, self.table_width)
