@@ -123,24 +123,13 @@ class Proposer:
         raise NotImplementedError
 
 
+@dataclass
 class DraftLaunch:
     """Draft step 0 on the device: the greedy draft at each wanted row and every row's states (a graph's output:
-    valid until the draft layer's next replay), with the drafts' host copy in flight behind an event."""
+    valid until the draft layer's next replay)."""
 
-    def __init__(self, tokens: torch.Tensor, streams: torch.Tensor):
-        self.tokens, self.streams = tokens, streams
-        self._host, self._ready = None, None
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def host_tokens(self) -> list[int]:
-        if self._ready is None:
-            return self.tokens.tolist()
-        self._ready.synchronize()
-        return self._host.tolist()
+    tokens: torch.Tensor
+    streams: torch.Tensor
 
 
 class MTPProposer(Proposer):
