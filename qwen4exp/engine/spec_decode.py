@@ -248,7 +248,6 @@ class SpecDecoder:
         self._read_drafts_for_adjusted_rows(scheduled)
         chunks, spans, rows, row = [], [], [], 0
         device_ids = DeviceIds()  # the drafts left on the device
-        draft_rows = []  # per verified row: its draft's row in device_ids, or its value (host drafts), -1 for none
         for s in scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
