@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request, SamplingParams
-from .sampler import SampledBatch, Sampler, SamplerOutput, _adjusts_logits, _filter, apply_penalties
+from .sampler import SampledBatch, Sampler, SamplerOutput, _adjusts_logits, _filter, apply_penalties, reads_history
 from .step_builder import to_device
 
 
@@ -88,7 +88,7 @@ class RejectionSampler:
         """logits: [N, V] raw fp32 logits, request i owning the next 1 + len(drafts[i]) rows (its last token's, then
         each draft's). A request without drafts samples one token, as the sampler would. draft_ids: each row's draft
         on the device (-1: none), where the drafts' values are not on the host (`drafts` then only count them; no
-        request may adjust its logits from its history)."""
+        request may adjust its logits from its history, see `reads_history`)."""
         device = logits.device
         num_rows = [1 + len(d) for d in drafts]
         starts = list(itertools.accumulate(num_rows, initial=0))[:-1]
@@ -96,12 +96,14 @@ class RejectionSampler:
         n = len(row_params)
         raw = logits
         if any(_adjusts_logits(req.params) for req in requests):
-            assert draft_ids is None, "rows that read the drafts as history need their values on the host"
+            history = any(reads_history(req.params) for req in requests)
+            assert draft_ids is None or not history, "rows reading the drafts as history need their values on the host"
             # rows as sampling sees them (the drafts before a row count as generated): built only here, a copy of
-            # the output so far per row
+            # the output so far per row where some request reads it (penalties, min_tokens, multi-token bad words);
+            # logit_bias and token masks do not depend on it
             views = [RowView(req.request_id, req.index, req.params, req.prompt_token_ids,
-                             req.output_token_ids + ds[:j]) for req, ds in zip(requests, drafts)
-                     for j in range(len(ds) + 1)]
+                             req.output_token_ids + ds[:j] if history else req.output_token_ids)
+                     for req, ds in zip(requests, drafts) for j in range(len(ds) + 1)]
             logits = logits.to(torch.float32, copy=True)
             self.sampler.apply_bans(logits, views)
             logits = apply_penalties(logits, views, [stops for stops, m in zip(stop_ids, num_rows) for _ in range(m)])

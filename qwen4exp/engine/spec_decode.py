@@ -55,7 +55,7 @@ from ..config import EngineConfig
 from ..model import ModelCache
 from .rejection_sampler import RejectionSampler, VerifiedBatch
 from .request import Request
-from .sampler import SampledBatch, Sampler, SamplerOutput, _adjusts_logits
+from .sampler import SampledBatch, Sampler, SamplerOutput, reads_history
 from .scheduler import SchedulerOutput
 from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
 
@@ -316,13 +316,14 @@ class SpecDecoder:
 
     @staticmethod
     def _read_drafts_for_adjusted_rows(scheduled) -> None:
-        """Drafts left on the device are read (waiting for it) when a request of the step adjusts its logits (the
-        rejection sampler's rows then see the drafts before them as generated: penalties, bad words, min_tokens) or
-        when a step would mix them with drafts on the host (a proposer that answered both ways)."""
+        """Drafts left on the device are read (waiting for it) when a request of the step adjusts its logits from its
+        history (the rejection sampler's rows then see the drafts before them as generated: penalties, min_tokens,
+        multi-token bad words; `reads_history`) or when a step would mix them with drafts on the host (a proposer that
+        answered both ways)."""
         drafted = [s.request for s in scheduled if s.num_draft_tokens]
         on_device = [r for r in drafted if r.drafts_on_device is not None]
         if not on_device or (len(on_device) == len(drafted)
-                             and not any(_adjusts_logits(s.request.params) for s in scheduled)):
+                             and not any(reads_history(s.request.params) for s in scheduled)):
             return
         for req in on_device:
             ids, offset = req.drafts_on_device
