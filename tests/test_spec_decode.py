@@ -371,7 +371,9 @@ def test_drafts_are_the_draft_layers_greedy_tokens_from_scratch(tiny_dir):
 @pytest.mark.parametrize("k,drafts", [(1, "mtp"), (3, "half right")])
 def test_small_preset_greedy_outputs_equal_decoding_without_speculation(tmp_path_factory, k, drafts):
     """The small preset (8 layers, 16 experts, QSA selecting from 67 tokens on): 32 requests arriving over time,
-    chunked prefill and preemption; token-identical outputs and logprobs within 1e-4, the cache free afterwards."""
+    chunked prefill and preemption; token-identical outputs and logprobs within 1e-4, the cache free afterwards.
+    Steps of greedy requests without logprobs are verified inside the step (greedy_acceptance), the others by the
+    rejection sampler: both run."""
     d = make_random(str(tmp_path_factory.mktemp("small")), "small", dtype="float32", seed=2)
     rng = random.Random(5)
     requests = [(str(i), [rng.randrange(3, 4000) for _ in range(rng.randrange(1, 90))],
@@ -384,7 +386,14 @@ def test_small_preset_greedy_outputs_equal_decoding_without_speculation(tmp_path
     if drafts != "mtp":
         engine.spec.proposer = ScriptedProposer({rid: out.outputs[0].token_ids for rid, out in expected.items()},
                                                 wrong_half)
+    rejection, paths = engine.spec.rejection, []
+    for name in ("verify", "verify_greedy"):
+        def counted(*args, _name=name, _fn=getattr(rejection, name)):
+            paths.append(_name)
+            return _fn(*args)
+        setattr(rejection, name, counted)
     assert_same_outputs(serve(llm, requests), expected, requests)
+    assert set(paths) == {"verify", "verify_greedy"}
     assert engine.scheduler.num_preemptions > 0
     assert engine.cache.all_free()
 
@@ -504,9 +513,7 @@ class EagerSpeculativeGraphs:
         class Runner(CUDAGraphRunner):
             def _run(self, key):
                 self.replayed.append(key[1])
-                meta = self._mixed_meta(*key[1:])
-                hidden, streams = self.model(meta, self.cache, return_streams=True)
-                return self.model.compute_logits(hidden), streams
+                return self.graph_step(*self.graph_inputs(key))
 
         engine = llm.llm_engine
         runner = Runner(engine.model, engine.runner.cache, engine.cache.page_size, engine.config.max_model_len,
@@ -557,7 +564,8 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
     """The draft layer's CUDA-graph steps (cuda_graph.py, draft=True: the mixed layout, the states copied into their
     buffer, the greedy token of every row), executed eagerly on the metadata a graph captures (CPU: no
     capture), propose the very drafts the eager draft layer proposes, in draft step 0 (kept rows of decodes,
-    verified requests and prefill chunks) and the further draft steps; outputs stay decoding's."""
+    verified requests and prefill chunks) and the further draft steps; outputs stay decoding's. With the target's
+    graphs too, draft step 0 runs on the buffers of the target's step (execute_draft_on_step)."""
     from qwen4exp import ops
     from qwen4exp.engine.cuda_graph import CUDAGraphRunner
 
@@ -565,6 +573,10 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
         def execute_draft(self, chunks, streams, pending_ids=None):
             self.replayed.append(self.phase)
             return super().execute_draft(chunks, streams, pending_ids)
+
+        def execute_draft_on_step(self, chunks, streams, pending_ids=None):
+            self.replayed.append("on the step's buffers")
+            return super().execute_draft_on_step(chunks, streams, pending_ids)
 
         def _run(self, key):
             meta = self._mixed_meta(*key[1:])
@@ -578,16 +590,20 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
     small = dict(ENGINE, num_pages=64, max_num_batched_tokens=16, max_num_seqs=4)
     expected = serve(LLM(d, **small), requests)
     monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
-    proposed = {}
-    for graphs in (False, True):
+    proposed, replayed = {}, {}
+    for graphs in ("eager", "draft layer", "both"):
         llm = LLM(d, **small, speculative_config=speculative(2))
         engine = llm.llm_engine
         proposer = engine.spec.proposer
-        if graphs:
+        if graphs != "eager":
+            target = None
+            if graphs == "both":
+                target = engine.runner.graphs = EagerSpeculativeGraphs(llm, 2, [1, 2, 4], 16)
             proposer.graphs = runner = EagerDraftGraphs(engine.model, engine.runner.cache, engine.cache.page_size,
                                                         engine.config.max_model_len, 4, "cpu", [1, 2, 4], 16, 2,
-                                                        draft=True)
-            runner.replayed, runner.phase = [], "further"
+                                                        draft=True, target=target)
+            replayed[graphs] = runner.replayed = []
+            runner.phase = "further"
             launch = proposer.launch
 
             def launch_first(*args, launch=launch, runner=runner):
@@ -602,8 +618,11 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
         proposer.propose = lambda batch: (lambda out: drafts.append(out.tolist()) or out)(propose(batch))
         assert_same_outputs(serve(llm, requests), expected, requests)
         assert engine.cache.all_free()
-    assert proposed[True] == proposed[False] and any(any(len(x) > 1 for x in out) for out in proposed[True])
-    assert set(runner.replayed) == {"first", "further"}, "draft step 0 and the further draft steps replay graphs"
+    assert proposed["draft layer"] == proposed["eager"] and any(any(len(x) > 1 for x in out)
+                                                                 for out in proposed["eager"])
+    assert proposed["both"] == proposed["eager"]
+    assert set(replayed["draft layer"]) == {"first", "further"}, "draft step 0 and the further steps replay graphs"
+    assert {"on the step's buffers", "further"} <= set(replayed["both"])
 
 
 def test_structured_output_requests_decode_without_drafts_beside_speculation(tiny_dir):

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..model import ModelCache, StepMetadata
+from .rejection_sampler import greedy_acceptance
 from .step_builder import RequestChunk, StepBuilder, StepLayout, fill_pending, host_to_device
 
 logger = logging.getLogger("qwen4exp")
@@ -46,6 +47,13 @@ logger = logging.getLogger("qwen4exp")
 # smallest bucket >= n: the padding tokens cost compute in every layer, and GDN's recurrent loop costs time in
 # proportion to the longest request's tokens, so the buckets stop where eager steps stop being host-bound.
 MIXED_GRAPH_TOKENS = (64, 128, 256, 512)
+
+
+def _rows(wanted: np.ndarray, device) -> slice | torch.Tensor:
+    """An index of the rows `wanted`: a slice when they are rows 0 .. L-1 (no gather), else a device tensor."""
+    if len(wanted) and wanted[-1] == len(wanted) - 1:
+        return slice(0, len(wanted))
+    return host_to_device(wanted, device)
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -108,7 +116,7 @@ class StagedBuffers:
 class CUDAGraphRunner:
     def __init__(self, model, cache: ModelCache, page_size: int, max_model_len: int, max_num_seqs: int, device,
                  buckets: list[int] | None = None, max_num_batched_tokens: int = 0, speculative: int = 0,
-                 draft: bool = False, pool=None):
+                 draft: bool = False, pool=None, target: CUDAGraphRunner | None = None):
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
@@ -145,7 +153,7 @@ class CUDAGraphRunner:
                                            else [])
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
-        self.table_width = 0  # block_tables columns at and past this are zero in every row
+        self.table_extent = (0, 0)  # rows and columns of buf's block tables that may be non-zero
 
         self.speculative = speculative
         self.mixed_sizes = [t for t in MIXED_GRAPH_TOKENS if t <= max_num_batched_tokens]
@@ -169,18 +177,32 @@ class CUDAGraphRunner:
             new_block_slots=((nb,), i64), new_block_positions=((nb,), i64),
         )
         self.draft = draft
-        if speculative and not draft:
-            specs["state_token_slots"] = ((T,), i64)
-        self.mstage = StagedBuffers(specs, self.device)
-        self.mbuf = dict(self.mstage.device,
-                         block_tables=torch.zeros(R, mixed_pages, dtype=torch.int32, device=self.device),
-                         rope_offset=torch.zeros(T, **z))
+        self.target = target
+        self.ids = None
+        if target is not None:
+            # the draft layer's runner (draft=True) over the target's mixed buffers, with input ids of its own: draft
+            # step 0 runs on the layout of the step just replayed (`execute_draft_on_step`), which then costs the host
+            # one small copy instead of a second layout (the draft layer reads no recurrent state or n-gram context)
+            assert draft and target.mixed_sizes == self.mixed_sizes and target.variants == self.variants
+            self.mstage, self.mbuf = target.mstage, dict(target.mbuf)
+            self.ids = StagedBuffers(dict(input_ids=((T,), i64)), self.device)
+            self.mbuf["input_ids"] = self.ids.device["input_ids"]
+            self.tables = target.tables
+        else:
+            if speculative and not draft:
+                specs["state_token_slots"] = ((T,), i64)
+            self.mstage = StagedBuffers(specs, self.device)
+            self.mbuf = dict(self.mstage.device,
+                             block_tables=torch.zeros(R, mixed_pages, dtype=torch.int32, device=self.device),
+                             rope_offset=torch.zeros(T, **z))
+            # the rows and columns of mbuf's block tables that may be non-zero (the rest are zeros)
+            self.tables = {"rows": 0, "width": 0}
         self.rope_offsets_set = False  # some rope_offset buffer holds a step's non-zero offsets
         if draft:  # the multi-stream state of each row, the draft layer's input
             self.streams_in = torch.zeros(T, c.hc_count * c.hidden_size, dtype=model.lm_head.weight.dtype,
                                           device=self.device)
         self.mixed_arange = np.arange(T, dtype=np.int64)
-        self.mixed_table_width = 0
+        self.last_key = None  # the graph the last step replayed (None: it ran eagerly), see execute_draft_on_step
 
     def _meta(self, n: int, max_seq_len: int) -> StepMetadata:
         b = {k: v[:n] for k, v in self.buf.items()}
@@ -206,18 +228,21 @@ class CUDAGraphRunner:
             new_block_positions=b["new_block_positions"][:nb], token_req=b["token_req"][:T],
             token_pos=b["positions"][:T], token_local=b["token_local"][:T], has_initial=b["has_initial"],
             num_reqs=R, num_tokens=T, num_decode_reqs=0, max_seq_len=max_seq_len, in_cuda_graph=True,
-            state_token_slots=b["state_token_slots"][:T] if "state_token_slots" in b else None,
+            state_token_slots=b["state_token_slots"][:T] if "state_token_slots" in b and not self.draft else None,
         )
 
     def forward(self, meta: StepMetadata, rows: torch.Tensor | None):
-        """What a graph captures: the wanted logits rows (`rows`, None: all); with speculation every row's logits and
-        the multi-stream states; for the draft layer every row's greedy draft and states."""
+        """What a graph captures: the wanted logits rows (`rows`, None: all); with speculation every row's logits,
+        the multi-stream states, every row's argmax and the drafts greedy verification keeps per request
+        (rejection_sampler.greedy_acceptance); for the draft layer every row's greedy draft and states."""
         if self.draft:  # every row's draft: draft step 0 wants several rows of a verified request
             hidden, streams = self.model.draft(meta, self.cache, self.streams_in[: meta.num_tokens])
             return self.model.compute_logits(hidden).argmax(-1), streams
         if self.speculative:
             hidden, streams = self.model(meta, self.cache, return_streams=True)
-            return self.model.compute_logits(hidden), streams
+            logits = self.model.compute_logits(hidden)
+            tokens = logits.argmax(-1)
+            return logits, streams, tokens, greedy_acceptance(tokens, meta)
         hidden = self.model(meta, self.cache)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
@@ -258,8 +283,10 @@ class CUDAGraphRunner:
             # largest first so smaller graphs reuse its pool; captured with every token in the padding request
             h = self.mstage.host()
             h["query_start_loc"][:] = [0] * self.mixed_reqs + [T]
-            self._fill_mixed_padding(h, T, 0)
+            self._fill_mixed_padding(h, T, 0, self.ids.host() if self.ids else h)
             self.mstage.send()
+            if self.ids:
+                self.ids.send()
             self._capture_one(("mixed", T, max_len))
         for n, max_len in [(n, v) for n in sorted(self.buckets, reverse=True) for v in self.variants
                            if not self.speculative]:
@@ -302,8 +329,11 @@ class CUDAGraphRunner:
         is not all text (StepLayout.text_rope)."""
         if self.speculative:
             key, wanted = self.prepare_mixed(chunks, pending_ids)
-            logits, streams = self._run(key)
-            return logits[host_to_device(wanted, logits.device)], streams[: sum(len(c.token_ids) for c in chunks)]
+            logits, streams, tokens, accepted = self._run(key)
+            self.last_key = key
+            rows = _rows(wanted, logits.device)
+            total = sum(len(c.token_ids) for c in chunks)
+            return logits[rows], streams[:total], tokens[rows], accepted[: len(chunks)]
         layout = self.builder.build(chunks, multimodal)
         text = layout.text_rope() if multimodal else None
         if multimodal and text is None:
@@ -320,22 +350,53 @@ class CUDAGraphRunner:
         """A draft step (`draft=True`; chunks as MTPProposer builds them, `streams` [T, hc*H] their rows' states):
         (the greedy draft of each wanted row, in chunk order; every row's new states, a view of the graph's output
         valid until its next replay)."""
+        if self.target is not None:
+            self.target.last_key = None  # the shared buffers hold this step's layout from here
         key, wanted = self.prepare_mixed(chunks, pending_ids)
+        return self._run_draft(key, wanted, streams)
+
+    def _run_draft(self, key: tuple, wanted: np.ndarray, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = streams.shape[0]
         # rows past `total` keep what an earlier step left: the padding request's rows, which no other row reads
         self.streams_in[:total].copy_(streams)
         tokens, streams_out = self._run(key)
-        return tokens[host_to_device(wanted, tokens.device)], streams_out[:total]
+        return tokens[_rows(wanted, tokens.device)], streams_out[:total]
 
-    def _fill_mixed_padding(self, h: dict[str, np.ndarray], T: int, total: int) -> None:
+    def can_draft_on_step(self, chunks: list[RequestChunk]) -> bool:
+        """Whether draft step 0 over `chunks` (the rows of the step just launched, as MTPProposer.launch gets them)
+        can run on that step's layout: the target replayed a graph for it, whose buffers this runner shares."""
+        return self.target is not None and self.target.last_key is not None
+
+    @torch.inference_mode()
+    def execute_draft_on_step(self, chunks: list[RequestChunk], streams: torch.Tensor,
+                              pending_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`execute_draft` for draft step 0 (see can_draft_on_step): the target's buffers hold the step's layout
+        (the same rows, positions, pages and blocks), so only the input ids are written."""
+        key, self.target.last_key = self.target.last_key, None  # once: later draft steps rewrite the buffers
+        T, h = key[1], self.ids.host()["input_ids"]
+        total, wanted, pending = 0, [], []
+        for c in chunks:
+            n = len(c.token_ids)
+            h[total: total + n] = c.token_ids
+            wanted.append(self.mixed_arange[total + c.logits_from: total + n])
+            if c.pending_row >= 0:
+                pending += [(total + n - c.num_pending + i, c.pending_row + i) for i in range(c.num_pending)]
+            total += n
+        assert total == streams.shape[0] and total <= T, "draft step 0 covers the rows of the step just replayed"
+        h[total:T] = 0  # the padding request's tokens
+        self.ids.send()
+        fill_pending(self.mbuf["input_ids"], pending, pending_ids)
+        return self._run_draft(key, np.concatenate(wanted), streams)
+
+    def _fill_mixed_padding(self, h: dict[str, np.ndarray], T: int, total: int, ids: dict[str, np.ndarray]) -> None:
         """Tokens total..T-1 belong to the padding request (last row), at positions 0, 1, ... of the null page
-        (`h`: the host copy of the mixed buffers)."""
+        (`h`: the host copy of the mixed buffers, `ids` the one holding the input ids)."""
         pad = T - total
         h["token_req"][total:T] = self.mixed_reqs - 1
         h["token_local"][total:T] = self.mixed_arange[:pad]
         h["positions"][total:T] = self.mixed_arange[:pad]
-        for name in ("input_ids", "slot_mapping"):
-            h[name][total:T] = 0
+        h["slot_mapping"][total:T] = 0
+        ids["input_ids"][total:T] = 0
 
     @staticmethod
     def _put(buf: torch.Tensor, rows: np.ndarray, pad_rows: int = 0, fill=0) -> None:
@@ -345,17 +406,18 @@ class CUDAGraphRunner:
         buf[: rows.shape[0]].copy_(torch.from_numpy(rows), non_blocking=True)
 
     @staticmethod
-    def _put_tables(tables: torch.Tensor, layout: StepLayout, rows: int, width_before: int) -> int:
-        """Copies the step's block tables into rows 0..R-1 of `tables`, zeroes its rows R..rows-1 and the columns a
-        wider earlier step left past this step's width; returns the width now in use. Only the step's widest table
-        travels: zeros past it are kept, not sent."""
+    def _put_tables(tables: torch.Tensor, layout: StepLayout, extent: tuple[int, int]) -> tuple[int, int]:
+        """Copies the step's block tables into rows 0..R-1 of `tables` and zeroes what earlier steps left outside
+        them (`extent`: the rows and columns that may be non-zero before); returns the extent now. Only the step's
+        widest table travels: zeros past it are kept, not sent."""
         n, width = layout.block_tables.shape
+        rows_before, width_before = extent
         tables[:n, :width].copy_(torch.from_numpy(layout.block_tables), non_blocking=True)
-        if rows > n:
-            tables[n:rows, :width].zero_()
+        if rows_before > n:
+            tables[n:rows_before, :width_before].zero_()
         if width < width_before:
-            tables[:, width:width_before].zero_()
-        return width
+            tables[:n, width:width_before].zero_()
+        return n, width
 
     def prepare_mixed(self, chunks: list[RequestChunk], pending_ids: torch.Tensor | None = None,
                       layout: StepLayout | None = None, text: tuple[np.ndarray, np.ndarray] | None = None):
@@ -367,13 +429,15 @@ class CUDAGraphRunner:
         n, R, total = layout.num_reqs, self.mixed_reqs, layout.num_tokens
         T = next(t for t in self.mixed_sizes if t >= total)
         b, h = self.mbuf, self.mstage.host()
+        ids = self.ids.host() if self.ids else h
         empty = R - n  # empty rows and the padding request: no state, null slot, null page
 
         def put(name, rows, pad_rows=0, fill=0):
             h[name][: len(rows)] = rows
             h[name][len(rows): len(rows) + pad_rows] = fill
 
-        for name in ("input_ids", "positions", "slot_mapping", "token_req", "token_local"):
+        ids["input_ids"][:total] = layout.input_ids
+        for name in ("positions", "slot_mapping", "token_req", "token_local"):
             put(name, getattr(layout, name))
         qsl = layout.query_start_loc + [total] * (empty - 1) + [T]
         put("query_start_loc", qsl)
@@ -393,10 +457,13 @@ class CUDAGraphRunner:
             token_slots = layout.state_token_slots
             put("state_token_slots", token_slots if token_slots is not None else np.full(total, -1, np.int64),
                 T - total, -1)
-        self._fill_mixed_padding(h, T, total)
+        self._fill_mixed_padding(h, T, total, ids)
         self.mstage.send()
+        if self.ids:
+            self.ids.send()
         self._put_rope_offset(b["rope_offset"], text, T)
-        self.mixed_table_width = self._put_tables(b["block_tables"], layout, R, self.mixed_table_width)
+        self.tables["rows"], self.tables["width"] = self._put_tables(
+            b["block_tables"], layout, (self.tables["rows"], self.tables["width"]))
         fill_pending(b["input_ids"], layout.pending, pending_ids)
         wanted = layout.logits_indices if self.speculative or self.draft else layout.token_req[layout.logits_indices]
         return ("mixed", T, self._variant(layout)), wanted
@@ -440,7 +507,7 @@ class CUDAGraphRunner:
         self.stage.send()
         self._put_rope_offset(buf["rope_offset"], text, bucket)
         fill_pending(buf["input_ids"], layout.pending, pending_ids)
-        self.table_width = self._put_tables(buf["block_tables"], layout, bucket, self.table_width)
+        self.table_extent = self._put_tables(buf["block_tables"], layout, self.table_extent)
         logits = self._run((bucket, self._variant(layout)))
         if len(layout.logits_indices) == n:
             return logits[:n]  # no copy (64 x 248k at batch 64): see ModelRunner.execute

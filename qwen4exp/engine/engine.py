@@ -509,7 +509,7 @@ def build_model_and_cache(model_dir: str | None, config: EngineConfig, model_con
             graphs = runner()
             graphs.capture()
             if config.speculative_config is not None:  # the draft layer's reuse the target's pool: never run at once
-                draft_graphs = runner(draft=True, pool=graphs.pool)
+                draft_graphs = runner(draft=True, pool=graphs.pool, target=graphs)
                 draft_graphs.capture()
     return config, allocator, cache_tensors, graphs, draft_graphs, model
 

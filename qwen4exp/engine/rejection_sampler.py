@@ -76,8 +76,41 @@ class VerifiedBatch:
         return out, self.num_accepted.tolist()
 
 
+def greedy_acceptance(tokens: torch.Tensor, meta, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy verification on the device, fixed shapes (it runs inside the speculative CUDA graphs): the drafts each
+    request of the step keeps if it decodes greedily from the raw logits, [R] long. tokens: the argmax of the rows
+    `rows` of the step (None: all T rows), which hold every row of a verified request. A row has a draft after it
+    where its state is stored (`meta.state_token_slots` >= 0): the next row's input id. A verified request keeps
+    the leading run of rows whose argmax equals that draft; every other request keeps none."""
+    num_tokens = meta.num_tokens
+    if meta.state_token_slots is None:
+        return torch.zeros(meta.num_reqs, dtype=torch.long, device=tokens.device)
+    if rows is None:
+        rows = torch.arange(num_tokens, device=tokens.device)
+    has_draft = meta.state_token_slots[rows] >= 0
+    after_draft = (rows > 0) & (meta.state_token_slots[(rows - 1).clamp_min(0)] >= 0)  # a verified request's last
+    accept = has_draft & (tokens == meta.input_ids[(rows + 1).clamp_max(num_tokens - 1)])
+    local = meta.token_local[rows]
+    stop = torch.where(accept, num_tokens, torch.where(has_draft | after_draft, local, 0))
+    first = torch.full((meta.num_reqs,), num_tokens, dtype=torch.long, device=tokens.device)
+    return first.scatter_reduce_(0, meta.token_req[rows], stop, "amin")
+
+
 class RejectionSampler:
     """Verifies drafts with `sampler`'s logit processing, generators and token masks."""
+
+    @staticmethod
+    def greedy_only(requests: list[Request]) -> bool:
+        """Whether `greedy_acceptance` verifies these requests: greedy from the raw logits, without logprobs."""
+        return all(r.params.greedy and not _adjusts_logits(r.params) and r.params.logprobs is None for r in requests)
+
+    @staticmethod
+    def verify_greedy(tokens: torch.Tensor, num_accepted: torch.Tensor, num_rows: list[int]) -> VerifiedBatch:
+        """`verify` for `greedy_only` requests from the step's own greedy verification (inside its graph): tokens
+        [N] the argmax of each request's rows (the emitted token, equal to the draft where accepted) and
+        num_accepted [R] from `greedy_acceptance`."""
+        return VerifiedBatch(SampledBatch(tokens, None, None, None, [None] * sum(num_rows)), num_accepted,
+                             num_rows).start_copy()
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler

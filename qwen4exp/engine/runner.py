@@ -11,6 +11,7 @@ import torch
 
 from ..model import ModelCache, Qwen4ExpForCausalLM
 from ..model.state import copy_slots
+from .rejection_sampler import greedy_acceptance
 from .step_builder import RequestChunk, StepBuilder, fill_pending, to_device
 
 __all__ = ["ModelRunner"]
@@ -45,12 +46,16 @@ class ModelRunner:
         logits past a step only for prompt logprobs, whose steps never run as graphs: graphs want each request's
         last row only.)
 
-        return_streams (speculative decoding, which orders its chunks decodes first): also return every row's
-        multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), from the speculative graphs
-        (cuda_graph.py; then a view of the graph's output, valid until the next step is launched) or eagerly.
+        return_streams (speculative decoding, which orders its chunks decodes first): returns (logits, every row's
+        multi-stream state [T, hc*H] for the MTP draft layer (model/mtp.py), the argmax of each wanted row, the
+        drafts greedy verification keeps per chunk (rejection_sampler.greedy_acceptance)), from the speculative
+        graphs (cuda_graph.py; then views of the graph's outputs, valid until the next step is launched) or
+        eagerly.
 
         multimodal: some chunk has images (RequestChunk.mm). A step that feeds image tokens runs eagerly (graphs
         take no image features); the others replay graphs where their rotary positions allow (cuda_graph.py)."""
+        if self.graphs is not None:
+            self.graphs.last_key = None
         if (self.graphs is not None and return_streams == bool(self.graphs.speculative)
                 and not (multimodal and any(c.mm_features for c in chunks))
                 and self.graphs.can_run(chunks, mixed=mixed_graphs)):
@@ -65,7 +70,9 @@ class ModelRunner:
         if return_streams:
             assert order == sorted(order), "the caller orders the chunks decodes first"
             hidden, streams = self.model(meta, self.cache, return_streams=True)
-            return self.model.compute_logits(hidden[meta.logits_indices]), streams
+            logits = self.model.compute_logits(hidden[meta.logits_indices])
+            tokens = logits.argmax(-1)
+            return logits, streams, tokens, greedy_acceptance(tokens, meta, meta.logits_indices)
         hidden = self.model(meta, self.cache)
         logits = self.model.compute_logits(hidden[meta.logits_indices])
         if order == sorted(order):

@@ -145,6 +145,8 @@ class MTPProposer(Proposer):
 
     def _draft(self, chunks: list[RequestChunk], streams: torch.Tensor, pending: torch.Tensor | None, step: int):
         """One draft step: (the greedy draft of each wanted row, in chunk order; every row's new states)."""
+        if self.graphs is not None and step == 0 and self.graphs.can_draft_on_step(chunks):
+            return self.graphs.execute_draft_on_step(chunks, streams, pending)
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.execute_draft(chunks, streams, pending)
         layout = self.builder.build(chunks)
@@ -272,10 +274,11 @@ class SpecDecoder:
             rows.append(row)
             row += s.num_tokens
         pending_ids = device_ids.tensor()
-        logits, streams = engine.runner.execute(chunks, pending_ids, mixed_graphs, return_streams=True)
+        logits, streams, argmax, greedy_accepted = engine.runner.execute(chunks, pending_ids, mixed_graphs,
+                                                                          return_streams=True)
         logit_rows, sample_reqs, sample_drafts, keep_logits, row = [], [], [], False, 0
-        constrained_rows, constrained = [], []
-        for (req, start, end, first), chunk in zip(spans, chunks):
+        constrained_rows, constrained, sample_chunks = [], [], []
+        for i, ((req, start, end, first), chunk) in enumerate(zip(spans, chunks)):
             keep_logits |= req.prompt_logprobs is not None and first < req.num_prompt_tokens - 1
             verified = chunk.state_token_slots is not None
             if req.grammar is not None and end == req.num_tokens:
@@ -286,12 +289,18 @@ class SpecDecoder:
                 logit_rows += range(row + end - first - n, row + end - first)
                 sample_reqs.append(req)
                 sample_drafts.append(chunk.token_ids[1:] if verified else [])
+                sample_chunks.append(i)
             req.num_computed_tokens = start if verified else end  # a verified request's is set once verified
             row += end - first
         verified = constrained_sampled = None
-        if sample_reqs:
-            logits_s = logits if logit_rows == list(range(logits.shape[0])) else logits[to_device(logit_rows,
-                                                                                                  logits.device)]
+        all_rows = logit_rows == list(range(logits.shape[0]))
+        if sample_reqs and self.rejection.greedy_only(sample_reqs):  # verified inside the step (its graph)
+            tokens = argmax if all_rows else argmax[to_device(logit_rows, argmax.device)]
+            accepted = (greedy_accepted[: len(sample_chunks)] if sample_chunks == list(range(len(sample_chunks)))
+                        else greedy_accepted[to_device(sample_chunks, argmax.device)])
+            verified = self.rejection.verify_greedy(tokens, accepted, [1 + len(d) for d in sample_drafts])
+        elif sample_reqs:
+            logits_s = logits if all_rows else logits[to_device(logit_rows, logits.device)]
             draft_ids = None
             if pending_ids is not None:  # each verified row's draft, gathered where the drafts are (-1: none)
                 index = []
