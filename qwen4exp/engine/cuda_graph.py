@@ -39,7 +39,7 @@ import torch
 
 from ..model import ModelCache, StepMetadata
 from .rejection_sampler import greedy_acceptance
-from .step_builder import RequestChunk, StepBuilder, StepLayout, fill_pending, host_to_device
+from .step_builder import RequestChunk, StepBuilder, StepLayout, fill_pending, host_to_device, pending_rows
 
 logger = logging.getLogger("qwen4exp")
 
@@ -374,18 +374,17 @@ class CUDAGraphRunner:
         (the same rows, positions, pages and blocks), so only the input ids are written."""
         key, self.target.last_key = self.target.last_key, None  # once: later draft steps rewrite the buffers
         T, h = key[1], self.ids.host()["input_ids"]
-        total, wanted, pending = 0, [], []
+        qsl, wanted = [0], []
         for c in chunks:
-            n = len(c.token_ids)
+            total, n = qsl[-1], len(c.token_ids)
             h[total: total + n] = c.token_ids
             wanted.append(self.mixed_arange[total + c.logits_from: total + n])
-            if c.pending_row >= 0:
-                pending += [(total + n - c.num_pending + i, c.pending_row + i) for i in range(c.num_pending)]
-            total += n
+            qsl.append(total + n)
+        total = qsl[-1]
         assert total == streams.shape[0] and total <= T, "draft step 0 covers the rows of the step just replayed"
         h[total:T] = 0  # the padding request's tokens
         self.ids.send()
-        fill_pending(self.mbuf["input_ids"], pending, pending_ids)
+        fill_pending(self.mbuf["input_ids"], pending_rows(chunks, qsl), pending_ids)
         return self._run_draft(key, np.concatenate(wanted), streams)
 
     def _fill_mixed_padding(self, h: dict[str, np.ndarray], T: int, total: int, ids: dict[str, np.ndarray]) -> None:

@@ -66,6 +66,13 @@ def fill_pending(input_ids: torch.Tensor, pending: list[tuple[int, int]], pendin
     input_ids[index[0]] = pending_ids[index[1]]
 
 
+def pending_rows(chunks: list[RequestChunk], query_start_loc: list[int]) -> list[tuple[int, int]]:
+    """(token row, row of the ids on the device) of each pending token: a chunk's last num_pending tokens, read
+    from its pending_row on (see fill_pending)."""
+    return [(query_start_loc[r + 1] - c.num_pending + i, c.pending_row + i) for r, c in enumerate(chunks)
+            if c.pending_row >= 0 for i in range(c.num_pending)]
+
+
 @dataclass
 class StepLayout:
     """One step on the host, requests in the order of the chunks. Request r owns token rows
@@ -263,8 +270,7 @@ class StepBuilder:
             new_block_slots=block_slots,
             new_block_positions=block_positions,
             logits_indices=logits,
-            pending=[(qsl[r + 1] - c.num_pending + i, c.pending_row + i) for r, c in enumerate(chunks)
-                     if c.pending_row >= 0 for i in range(c.num_pending)],
+            pending=pending_rows(chunks, qsl),
             num_verify_reqs=num_verify,
             state_token_slots=token_slots,
         )
