@@ -362,9 +362,9 @@ class CUDAGraphRunner:
         tokens, streams_out = self._run(key)
         return tokens[_rows(wanted, tokens.device)], streams_out[:total]
 
-    def can_draft_on_step(self, chunks: list[RequestChunk]) -> bool:
-        """Whether draft step 0 over `chunks` (the rows of the step just launched, as MTPProposer.launch gets them)
-        can run on that step's layout: the target replayed a graph for it, whose buffers this runner shares."""
+    def can_draft_on_step(self) -> bool:
+        """Whether draft step 0 (over the rows of the step just launched, as MTPProposer.launch gets them) can run on
+        that step's layout: the target replayed a graph for it, whose buffers this runner shares."""
         return self.target is not None and self.target.last_key is not None
 
     @torch.inference_mode()

@@ -145,7 +145,7 @@ class MTPProposer(Proposer):
 
     def _draft(self, chunks: list[RequestChunk], streams: torch.Tensor, pending: torch.Tensor | None, step: int):
         """One draft step: (the greedy draft of each wanted row, in chunk order; every row's new states)."""
-        if self.graphs is not None and step == 0 and self.graphs.can_draft_on_step(chunks):
+        if self.graphs is not None and step == 0 and self.graphs.can_draft_on_step():
             return self.graphs.execute_draft_on_step(chunks, streams, pending)
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.execute_draft(chunks, streams, pending)
