@@ -176,8 +176,6 @@ def experts_case(bench):
                             lambda r=rows, d=down_rows, nw=warps: moe_triton.pairwise_moe_fp8(
                                 x, gate_up, gate_up_scale, down, down_scale, ids, weights, shared, block_n=r,
                                 down_block_n=d, num_warps=nw)))
-                    variants.append(Variant("pairwise, input quantized once", lambda: moe_triton.pairwise_moe_fp8(
-                        x, gate_up, gate_up_scale, down, down_scale, ids, weights, shared, prequantize=True)))
             variants.append(Variant("fp8 fused", with_tuning(op, PAIRWISE_MAX_PAIRS=0)))
             if bench.args.sweep and 1 < tokens <= 64:
                 base = moe_triton.get_fp8_config(tokens, experts, w.top_k)

@@ -814,15 +814,15 @@ def _swiglu_rounded(g, u, DTYPE: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def _pair_gate_up_fp8_kernel(
-    x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, top_k, hidden, inter, up_start,
-    stride_xn, stride_xqn, stride_xsn, stride_we, stride_wr, stride_wse, stride_wsr, stride_an,
-    DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, PREQ: tl.constexpr,
-    EXACT: tl.constexpr, PDL: tl.constexpr
+    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, top_k, hidden, inter, up_start,
+    stride_xn, stride_we, stride_wr, stride_wse, stride_wsr, stride_an,
+    DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, EXACT: tl.constexpr,
+    PDL: tl.constexpr
 ):
     """One (token, expert) pair x BLOCK_N rows of the intermediate (within one 128-row scale block), G 128-column
-    groups a step, as `fp8_triton._gemv_kernel`: the token's groups are quantized here in a compact [G, 128] layout
-    (PREQ: read from the layer input's quantization, xq / xs, instead), scaled by the gate's and the up's block
-    scales and broadcast over the rows. Writes the activation rounded to DTYPE."""
+    groups a step, as `fp8_triton._gemv_kernel`: the token's groups are quantized here in a compact [G, 128] layout,
+    scaled by the gate's and the up's block scales and broadcast over the rows. Writes the activation rounded to
+    DTYPE."""
     pdl_start(PDL)
     pair = tl.program_id(0)
     token = pair // top_k
@@ -844,14 +844,10 @@ def _pair_gate_up_fp8_kernel(
         m3 = row_ok & (k0 + k3 < hidden)
         wg = tl.load(g_ptrs + k0, mask=m3, other=0.0)
         wu = tl.load(u_ptrs + k0, mask=m3, other=0.0)
+        x = tl.load(x_ptr + token * stride_xn + k0 + k2, mask=k0 + k2 < hidden, other=0.0).to(tl.float32)
+        q, s = quantize_groups(x, 1, EXACT)
         g_ok = k0 + gg * 128 < hidden
-        if PREQ:
-            q = tl.load(xq_ptr + token * stride_xqn + k0 + k2, mask=k0 + k2 < hidden, other=0.0).to(tl.float32)
-            a = q * tl.load(xs_ptr + token * stride_xsn + k0 // 128 + gg, mask=g_ok, other=1.0)[:, None]
-        else:
-            x = tl.load(x_ptr + token * stride_xn + k0 + k2, mask=k0 + k2 < hidden, other=0.0).to(tl.float32)
-            q, s = quantize_groups(x, 1, EXACT)
-            a = q.to(tl.float32) * s
+        a = q.to(tl.float32) * s
         acc_g += (a * tl.load(gs_ptrs + k0 // 128, mask=g_ok, other=0.0)[:, None])[None, :, :] * wg.to(tl.float32)
         acc_u += (a * tl.load(us_ptrs + k0 // 128, mask=g_ok, other=0.0)[:, None])[None, :, :] * wu.to(tl.float32)
     h = _swiglu_rounded(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), DTYPE, BF16)
@@ -912,17 +908,14 @@ def _pair_down_fp8_kernel(
 
 
 def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk_weights, shared_expert=None,
-                     block_n: int = 4, down_block_n: int = 8, num_warps: int = 1,
-                     prequantize: bool = False) -> torch.Tensor:
+                     block_n: int = 4, down_block_n: int = 8, num_warps: int = 1) -> torch.Tensor:
     """`pairwise_moe` for block-scaled fp8 experts: one program per (pair, BLOCK_N rows), three launches (gate-up,
     down with the shared expert, sum), each quantizing its activations per 128-column group itself (the layer input
     in the gate-up launch, the activation in the down launch). `shared_expert` = (gate, up, down weight, logit) or
     (gate, up, down weight, logit, down scale) for an fp8 down weight. block_n / down_block_n: rows a program (powers
     of two dividing 128). The defaults were the fastest on one H100 at flash-next widths and one token (26.1 us a call
     with the shared expert; more rows or warps a program, and wider steps with per-step sums as the fp8 GEMV's,
-    27.3-43.5: benchmarks/kernels/bench_fp8.py --sweep). prequantize: the layer input quantized once in a launch of
-    its own (`fp8_triton.quantize`) that every gate-up program reads, instead of each quantizing it (the same
-    values); to be measured against the default."""
+    27.3-43.5: benchmarks/kernels/bench_fp8.py --sweep)."""
     num_tokens, hidden = x.shape
     up_start = gate_up.shape[1] // 2
     inter = down.shape[2]
@@ -933,12 +926,12 @@ def pairwise_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_ids, topk
     bf16 = x.dtype == torch.bfloat16
     dtype = _TL_DTYPES[x.dtype]
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    xq, xs = fp8_triton.quantize(x) if prequantize else (x, x)  # (x, x): never read
     _pair_gate_up_fp8_kernel[(pairs, triton.cdiv(inter, block_n))](
-        x, xq, xs, gate_up, gate_up_scale, ids, act, top_k, hidden, inter, up_start, x.stride(0), xq.stride(0),
-        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
-        act.stride(0), DTYPE=dtype, BF16=bf16, BLOCK_N=block_n, G=groups_per_step(hidden, 2), PREQ=prequantize,
-        EXACT=INTERPRETED, num_warps=num_warps, **launch_options(x))
+        x, gate_up, gate_up_scale, ids, act, top_k, hidden, inter, up_start, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), act.stride(0),
+        DTYPE=dtype, BF16=bf16, BLOCK_N=block_n, G=groups_per_step(hidden, 2), EXACT=INTERPRETED,
+        num_warps=num_warps,
+        **launch_options(x))
     extra = num_tokens if shared_expert is not None else 0
     out = torch.empty(pairs + extra, hidden, dtype=x.dtype, device=x.device)
     shared_fp8 = shared_expert is not None and len(shared_expert) == 5
