@@ -341,3 +341,37 @@ def test_gpu_decode_of_requests_with_images_replays_graphs_and_equals_the_cpu(tm
         lp = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
         lp_ref = [d[t].logprob for d, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_ref), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("drafts", ["mtp", "half right"])
+def test_gpu_chained_speculative_steps_equal_decoding_without_them(drafts, tmp_path):
+    """k = 1 with greedy requests from raw logits: steps launched before the step before them is read
+    (SpecDecoder.chain: the layout derived on the device by a CUDA graph of its own, the step and draft graphs
+    replayed on it) give decoding's tokens, with the draft layer's drafts (mostly rejected) and with drafts half right
+    (the draft layer's graph buffers run eagerly with scripted drafts, tests/test_spec_decode.py)."""
+    import random
+
+    from test_spec_decode import ScriptedDraftGraphs, assert_same_outputs, serve
+
+    from qwen4exp import LLM
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    d = make_random(str(tmp_path / "tiny"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 256})
+    rng = random.Random(6)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 60))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 40), ignore_eos=True))
+                for i in range(6)]
+    engine = dict(dtype="float32", max_model_len=256, page_size=8, num_pages=200, max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    expected = serve(LLM(d, device="cuda", **engine), requests)
+    llm = LLM(d, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
+    spec = llm.llm_engine.spec
+    if drafts == "half right":
+        sequences = {rid: p + expected[rid].outputs[0].token_ids for rid, p, _ in requests}
+        spec.proposer.graphs = ScriptedDraftGraphs(llm.llm_engine, llm.llm_engine.runner.graphs, sequences)
+    chained = []
+    chain = spec.chain
+    spec.chain = lambda engine, step: (lambda nxt: chained.append(nxt is not None) or nxt)(chain(engine, step))
+    assert_same_outputs(serve(llm, requests), expected, requests)
+    assert sum(chained) > 10, "steps must chain"
+    assert llm.llm_engine.cache.all_free()

@@ -128,6 +128,13 @@ def assert_same_outputs(outputs: dict, expected: dict, requests) -> None:
                 assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
+def generate(llm, requests) -> dict:
+    """Each request's final output, all submitted at once."""
+    outs = llm.generate([{"prompt_token_ids": p} for _, p, _ in requests], [params for *_, params in requests],
+                        use_tqdm=False)
+    return {rid: out for (rid, _, _), out in zip(requests, outs)}
+
+
 def wrong_half(position: int) -> bool:
     return (position * 7 + 3) % 4 < 2
 
@@ -653,3 +660,130 @@ def test_structured_output_requests_decode_without_drafts_beside_speculation(tin
     assert all(expected[str(i)].outputs[0].finish_reason == "stop" for i in range(0, 8, 2))  # the grammar's end
     assert drafted and not {str(i) for i in range(0, 8, 2)} & set(drafted)
     assert llm.llm_engine.cache.all_free()
+
+
+# ----- chained steps (the speculative overlap) -----
+
+def test_a_verified_steps_layout_advanced_on_the_device_equals_the_next_steps_host_layout(tiny_dir):
+    """step_builder.advance_verified turns the graph buffers of a step of verified requests (one draft each) into
+    those of the next step, from the kept drafts, emitted tokens and drafts on the device, as the host builds them
+    once it has read the step: ids, positions, cache slots, state slots (the kept row's becomes the request's own),
+    n-gram context and the QSA blocks completed (as a set: the device layout keeps one entry per request), with
+    contexts that cross pages and blocks at every phase."""
+    from qwen4exp.engine.step_builder import RequestChunk, advance_verified
+
+    llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(1))
+    runner = EagerSpeculativeGraphs(llm, 1, [1, 2, 4], 16)
+    ps, C = runner.page_size, runner.C
+    rng = random.Random(3)
+    fields = ("input_ids", "positions", "slot_mapping", "context_lens", "state_slots", "state_token_slots",
+              "ngram_context", "has_initial", "query_start_loc", "token_req", "token_local", "logits_indices")
+
+    def blocks(buf):
+        slots = buf["new_block_slots"]
+        return sorted((int(slots[i]), tuple(buf["new_block_token_slots"][i].tolist()),
+                       int(buf["new_block_positions"][i])) for i in range(slots.shape[0]) if slots[i])
+
+    for trial in range(12):
+        n = rng.choice([1, 2, 3, 4])
+        contexts = [rng.randrange(1, 40) for _ in range(n)]
+        pages = [rng.sample(range(1, 64), 6) for _ in range(n)]  # 48 positions each
+        slots = [rng.sample(range(1, 30), 2) for _ in range(n)]
+        history = [[rng.randrange(3, 500) for _ in range(rng.randrange(0, 3) if c < 2 else 2)] for c in contexts]
+        ids = [[rng.randrange(3, 500), rng.randrange(3, 500)] for _ in range(n)]
+        chunks = [RequestChunk(ids[r], contexts[r], history[r], pages[r], slots[r][0], 0,
+                               state_token_slots=[slots[r][1]]) for r in range(n)]
+        key, _ = runner.prepare_mixed(chunks)
+        accepted = torch.tensor([rng.randrange(2) for _ in range(n)])
+        emitted = torch.tensor([rng.randrange(3, 500) for _ in range(2 * n)])
+        drafts = torch.tensor([rng.randrange(3, 500) for _ in range(2 * n)])
+        advance_verified(runner.mbuf, n, ps, C, accepted, emitted, drafts)
+        T = key[1]
+        device = {f: runner.mbuf[f].clone() for f in fields}
+        device_blocks = blocks(runner.mbuf)
+        nxt = []
+        for r in range(n):
+            a = int(accepted[r])
+            own, spare = (slots[r][1], slots[r][0]) if a == 0 else (slots[r][0], slots[r][1])
+            nxt.append(RequestChunk([int(emitted[2 * r + a]), int(drafts[2 * r + a])], contexts[r] + a + 1,
+                                    history[r] + ids[r][: a + 1], pages[r], own, 0, state_token_slots=[spare]))
+        runner.prepare_mixed(nxt)
+        for f in fields:
+            rows = T if runner.mbuf[f].shape[0] >= T else runner.mbuf[f].shape[0]
+            assert torch.equal(device[f][:rows], runner.mbuf[f][:rows]), (trial, f)
+        assert device_blocks == blocks(runner.mbuf), trial
+
+
+class ScriptedDraftGraphs:
+    """The draft layer's CUDA-graph runner executed eagerly (no capture), its drafts replaced by a script: at
+    the row of position p of a request, the token at p + 2 of its sequence as decoding without speculation produced
+    it (`expected`: request id -> prompt + output), wrong where wrong_half(p). Requests are told apart by their first
+    page (block table column 0)."""
+
+    def __new__(cls, engine, target, expected: dict[str, list[int]]):
+        from qwen4exp.engine.cuda_graph import CUDAGraphRunner
+
+        class Runner(CUDAGraphRunner):
+            def _run(self, key):
+                meta = self._mixed_meta(*key[1:])
+                tokens, streams = self.forward(meta, meta.logits_indices)
+                owner = {r.pages[0]: r.request_id for r in engine.scheduler.running if r.pages}
+                first_page = self.mbuf["block_tables"][:, 0][meta.token_req]
+                for t in range(meta.num_tokens):
+                    rid = owner.get(int(first_page[t]))
+                    if rid is None:
+                        continue
+                    p, seq = int(meta.token_pos[t]), expected[rid]
+                    draft = seq[p + 2] if p + 2 < len(seq) else 3
+                    tokens[t] = (draft + 1) % 500 if wrong_half(p) else draft
+                return tokens, streams
+
+        c = engine.config
+        return Runner(engine.model, engine.runner.cache, engine.cache.page_size, c.max_model_len, target.max_batch,
+                      engine.device, target.buckets, c.max_num_batched_tokens, 1, draft=True, target=target)
+
+
+@pytest.mark.slow
+def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
+    """Steps launched before the step before them is read (SpecDecoder.chain: the layout derived on the device, on
+    the graphs' buffers run eagerly) give the outputs of decoding without speculation, with drafts half right:
+    requests stopping on a token inside a chain (its chained step's tokens dropped), one aborted while a chained step
+    is in flight, one arriving during a chain (which then stops for its prefill), too few pages for some chains;
+    every page and slot is free afterwards."""
+    from qwen4exp import ops
+
+    rng = random.Random(21)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(12, 40))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(14, 30), ignore_eos=True))
+                for i in range(4)]
+    small = dict(ENGINE, num_pages=22, max_num_batched_tokens=64, max_num_seqs=4)
+    expected = generate(LLM(tiny_dir, **small), requests)
+    rid, prompt, params = requests[1]  # stops on its sixth token
+    requests[1] = (rid, prompt, SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
+                                               stop_token_ids=[expected[rid].outputs[0].token_ids[5]]))
+    expected = generate(LLM(tiny_dir, **small), requests)
+    sequences = {rid: prompt + expected[rid].outputs[0].token_ids for rid, prompt, _ in requests}
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    llm = LLM(tiny_dir, **small, speculative_config=speculative(1))
+    engine = llm.llm_engine
+    target = engine.runner.graphs = EagerSpeculativeGraphs(llm, 1, [1, 2, 4], 64)
+    engine.spec.proposer.graphs = ScriptedDraftGraphs(engine, target, sequences)
+    chain, chained = engine.spec.chain, []
+    engine.spec.chain = lambda eng, step: (lambda nxt: chained.append(nxt is not None) or nxt)(chain(eng, step))
+    outputs, aborted = {}, False
+    for rid, prompt, params in requests[:3]:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        if engine._inflight is not None and sum(chained) == 3:  # a chained step in flight
+            engine.abort_request("2")
+            aborted = True
+        if sum(chained) == 6 and "3" not in engine.output_processor.parents and "3" not in outputs:
+            rid, prompt, params = requests[3]
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    assert aborted and "2" not in outputs
+    assert_same_outputs(outputs, expected, [r for r in requests if r[0] != "2"])
+    assert sum(chained) > 10 and not all(chained), "chained steps and steps that could not chain"
+    assert engine.cache.all_free()

@@ -21,6 +21,8 @@ Speculative decoding (`speculative`, k drafts): every step returns its multi-str
 the runner captures mixed-layout graphs only, over token counts (1 + k) x the batch-size buckets (up to the step
 budget), each returning the logits of every row and the states; a step of decodes, verified requests (their state
 token slots in one more buffer, -1 elsewhere) and small prefill chunks replays the smallest that holds its tokens.
+A chained step (`execute_chained`) replays the graph of the step before it on the same buffers, advanced on the
+device (step_builder.advance_verified) instead of filled from the host.
 
 The draft layer (`draft=True`, a second runner over the same buckets, sharing the target's memory pool): its steps
 are as small as the target's (draft step 0 covers every row of a step, a further draft step one row per request),
@@ -39,7 +41,16 @@ import torch
 
 from ..model import ModelCache, StepMetadata
 from .rejection_sampler import greedy_acceptance
-from .step_builder import RequestChunk, StepBuilder, StepLayout, fill_pending, host_to_device, pending_rows
+from .step_builder import (
+    RequestChunk,
+    StepBuilder,
+    StepLayout,
+    advance_verified,
+    fill_pending,
+    host_to_device,
+    pending_rows,
+    to_device,
+)
 
 logger = logging.getLogger("qwen4exp")
 
@@ -203,6 +214,7 @@ class CUDAGraphRunner:
                                           device=self.device)
         self.mixed_arange = np.arange(T, dtype=np.int64)
         self.last_key = None  # the graph the last step replayed (None: it ran eagerly), see execute_draft_on_step
+        self.advance_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # see _advance
 
     def _meta(self, n: int, max_seq_len: int) -> StepMetadata:
         b = {k: v[:n] for k, v in self.buf.items()}
@@ -302,9 +314,10 @@ class CUDAGraphRunner:
         graph.replay()
         return logits
 
-    def _variant(self, layout: StepLayout) -> int:
-        """The context bound of the graph a step replays: the short (dense QSA) one when every request fits it."""
-        short = self.short_len in self.variants and layout.max_seq_len <= self.short_len
+    def variant(self, max_seq_len: int) -> int:
+        """The context bound of the graph a step replays: the short (dense QSA) one when every request's length after
+        the step (at most `max_seq_len`) fits it."""
+        short = self.short_len in self.variants and max_seq_len <= self.short_len
         return self.short_len if short else self.max_model_len
 
     def can_run(self, chunks: list[RequestChunk], mixed: bool = True) -> bool:
@@ -387,6 +400,52 @@ class CUDAGraphRunner:
         fill_pending(self.mbuf["input_ids"], pending_rows(chunks, qsl), pending_ids)
         return self._run_draft(key, np.concatenate(wanted), streams)
 
+    @torch.inference_mode()
+    def execute_chained(self, key: tuple, num_reqs: int, pages: list[tuple[int, int, list[int]]],
+                        accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor):
+        """The next step of the verified step just replayed (num_reqs requests of two rows, in its order), launched
+        before the host has read it (SpecDecoder.chain): its layout derived on the device from the step's results
+        (step_builder.advance_verified: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read here
+        before the replay overwrites them), then graph `key` replayed. pages: (request, first column, page ids) of the
+        pages the requests took since, written into their block tables first. Returns (every row's argmax, the
+        drafts each request keeps, every row's multi-stream states), views valid until the next replay."""
+        tables = self.mbuf["block_tables"]
+        for r, first, ids in pages:
+            tables[r, first: first + len(ids)].copy_(to_device(ids, self.device, torch.int32))
+            self.tables["width"] = max(self.tables["width"], first + len(ids))
+        self._advance(num_reqs, accepted, emitted, drafts)
+        _, streams, tokens, kept = self._run(key)
+        self.last_key = key
+        rows = 2 * num_reqs
+        return tokens[:rows], kept[:num_reqs], streams[:rows]
+
+    def _advance(self, num_reqs: int, accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor) -> None:
+        """advance_verified on the mixed buffers; on a GPU from a CUDA graph of its own (its forty-odd small kernels
+        would cost the host more than the step it prepares), one per batch size and results' buffers, captured at
+        first use."""
+        def advance():
+            advance_verified(self.mbuf, num_reqs, self.page_size, self.C if self.config.qsa else 0, accepted,
+                             emitted, drafts)
+
+        if self.device.type != "cuda":
+            return advance()
+        key = (num_reqs, accepted.data_ptr(), emitted.data_ptr(), drafts.data_ptr())
+        graph = self.advance_graphs.get(key)
+        if graph is None:
+            graph = self.advance_graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                advance()
+        graph.replay()
+
+    @torch.inference_mode()
+    def execute_draft_chained(self, key: tuple, streams: torch.Tensor, emitted: torch.Tensor):
+        """Draft step 0 of a chained step (execute_chained) on its buffers: row t fed the token the step emits
+        there (`emitted`, on the device). Returns as execute_draft."""
+        self.target.last_key = None
+        rows = streams.shape[0]
+        self.ids.device["input_ids"][:rows].copy_(emitted)
+        return self._run_draft(key, self.mixed_arange[:rows], streams)
+
     def _fill_mixed_padding(self, h: dict[str, np.ndarray], T: int, total: int, ids: dict[str, np.ndarray]) -> None:
         """Tokens total..T-1 belong to the padding request (last row), at positions 0, 1, ... of the null page
         (`h`: the host copy of the mixed buffers, `ids` the one holding the input ids)."""
@@ -465,7 +524,7 @@ class CUDAGraphRunner:
             b["block_tables"], layout, (self.tables["rows"], self.tables["width"]))
         fill_pending(b["input_ids"], layout.pending, pending_ids)
         wanted = layout.logits_indices if self.speculative or self.draft else layout.token_req[layout.logits_indices]
-        return ("mixed", T, self._variant(layout)), wanted
+        return ("mixed", T, self.variant(layout.max_seq_len)), wanted
 
     def _put_rope_offset(self, buf: torch.Tensor, text: tuple[np.ndarray, np.ndarray] | None, rows: int) -> None:
         """The rotary offsets of a step with images (text[0], then zeros up to `rows`); in other steps zeros, which
@@ -507,7 +566,7 @@ class CUDAGraphRunner:
         self._put_rope_offset(buf["rope_offset"], text, bucket)
         fill_pending(buf["input_ids"], layout.pending, pending_ids)
         self.table_extent = self._put_tables(buf["block_tables"], layout, self.table_extent)
-        logits = self._run((bucket, self._variant(layout)))
+        logits = self._run((bucket, self.variant(layout.max_seq_len)))
         if len(layout.logits_indices) == n:
             return logits[:n]  # no copy (64 x 248k at batch 64): see ModelRunner.execute
         return logits[host_to_device(layout.logits_indices, logits.device)]

@@ -308,24 +308,33 @@ class LLMEngine:
         position whose token is dropped, and new decode tokens reach the device without a host round trip. A
         structured-output row's mask needs its sequence's previous id accepted by its grammar: while that id is in
         flight, the step launches the model, reads the previous step's ids as the device computes, and samples
-        after (as vLLM defers such sampling), so the overlap stays.
+        after (as vLLM defers such sampling), so the overlap stays. With speculative decoding a step returns its own
+        outputs, launching the next one first where it can be chained to it (SpecDecoder.chain), which then runs
+        without being scheduled.
 
         token_budget: this step's tokens instead of max_num_batched_tokens; mixed_graphs=False: steps with prefill
         chunks run eagerly even where a mixed-step graph would take them (both for the warm-up)."""
         overlap = self._overlap()
-        if self._inflight is not None and not overlap:
+        if self.spec is not None and self._inflight is not None:
+            launched = self._inflight  # chained to the step before (SpecDecoder.chain): on the device already
+        elif self._inflight is not None and not overlap:
             done, self._inflight = self._inflight, None  # drain first: this step's sampling needs every id
             outs = self._complete(done)
             self._update_gauges()
             return outs
-        sched = self.scheduler.schedule(token_budget)
-        if sched.preempted:
-            self.metrics.preemptions.inc(len(sched.preempted))
-        if sched.num_queried_tokens:
-            self.metrics.prefix_cache_queries.inc(sched.num_queried_tokens)
-            self.metrics.prefix_cache_hits.inc(sched.num_hit_tokens)
-        launched = self._launch(sched, mixed_graphs) if sched.scheduled else None
-        if overlap:
+        else:
+            sched = self.scheduler.schedule(token_budget)
+            if sched.preempted:
+                self.metrics.preemptions.inc(len(sched.preempted))
+            if sched.num_queried_tokens:
+                self.metrics.prefix_cache_queries.inc(sched.num_queried_tokens)
+                self.metrics.prefix_cache_hits.inc(sched.num_hit_tokens)
+            launched = self._launch(sched, mixed_graphs) if sched.scheduled else None
+        if self.spec is not None:
+            # the next step goes to the device before this one is read, where it can (the speculative overlap)
+            self._inflight = self.spec.chain(self, launched) if launched is not None else None
+            done = launched
+        elif overlap:
             done, self._inflight = self._inflight, launched
         else:
             done = launched

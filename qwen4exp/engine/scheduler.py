@@ -205,6 +205,21 @@ class Scheduler:
             req.pages += self.cache.pages.allocate(need)
         return True
 
+    def reserve(self, reqs: list[Request], num_tokens: list[int]) -> list[tuple[int, int, list[int]]] | None:
+        """Pages for reqs[i] to cover num_tokens[i] positions, without preempting anyone (a step launched before the
+        one before it is read, engine/spec_decode.py); None, taking nothing, when too few are free. Returns (index
+        in reqs, first new column of its pages, the new page ids) for each request that took pages."""
+        needs = [max(0, self.cache.pages_needed(n) - len(r.pages)) for r, n in zip(reqs, num_tokens)]
+        if sum(needs) > self.cache.pages.num_free:
+            return None
+        taken = []
+        for i, (req, need) in enumerate(zip(reqs, needs)):
+            if need:
+                pages = self.cache.pages.allocate(need)
+                taken.append((i, len(req.pages), pages))
+                req.pages += pages
+        return taken
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self._release(req)
         req.status = RequestStatus.WAITING
