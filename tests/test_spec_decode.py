@@ -665,12 +665,13 @@ def test_structured_output_requests_decode_without_drafts_beside_speculation(tin
 # ----- chained steps (the speculative overlap) -----
 
 def test_a_verified_steps_layout_advanced_on_the_device_equals_the_next_steps_host_layout(tiny_dir):
-    """step_builder.advance_verified turns the graph buffers of a step of verified requests (one draft each) into
+    """ops.verified_layout.advance_verified turns the graph buffers of a step of verified requests (one draft each) into
     those of the next step, from the kept drafts, emitted tokens and drafts on the device, as the host builds them
     once it has read the step: ids, positions, cache slots, state slots (the kept row's becomes the request's own),
     n-gram context and the QSA blocks completed (as a set: the device layout keeps one entry per request), with
     contexts that cross pages and blocks at every phase."""
-    from qwen4exp.engine.step_builder import RequestChunk, advance_verified
+    from qwen4exp.engine.step_builder import RequestChunk
+    from qwen4exp.ops.verified_layout import advance_verified
 
     llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(1))
     runner = EagerSpeculativeGraphs(llm, 1, [1, 2, 4], 16)

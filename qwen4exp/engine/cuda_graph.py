@@ -22,7 +22,7 @@ the runner captures mixed-layout graphs only, over token counts (1 + k) x the ba
 budget), each returning the logits of every row and the states; a step of decodes, verified requests (their state
 token slots in one more buffer, -1 elsewhere) and small prefill chunks replays the smallest that holds its tokens.
 A chained step (`execute_chained`) replays the graph of the step before it on the same buffers, advanced on the
-device (step_builder.advance_verified) instead of filled from the host.
+device (ops.verified_layout) instead of filled from the host.
 
 The draft layer (`draft=True`, a second runner over the same buckets, sharing the target's memory pool): its steps
 are as small as the target's (draft step 0 covers every row of a step, a further draft step one row per request),
@@ -40,12 +40,12 @@ import numpy as np
 import torch
 
 from ..model import ModelCache, StepMetadata
+from ..ops.verified_layout import advance_verified
 from .rejection_sampler import greedy_acceptance
 from .step_builder import (
     RequestChunk,
     StepBuilder,
     StepLayout,
-    advance_verified,
     fill_pending,
     host_to_device,
     pending_rows,
@@ -214,7 +214,6 @@ class CUDAGraphRunner:
                                           device=self.device)
         self.mixed_arange = np.arange(T, dtype=np.int64)
         self.last_key = None  # the graph the last step replayed (None: it ran eagerly), see execute_draft_on_step
-        self.advance_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # see _advance
 
     def _meta(self, n: int, max_seq_len: int) -> StepMetadata:
         b = {k: v[:n] for k, v in self.buf.items()}
@@ -405,7 +404,7 @@ class CUDAGraphRunner:
                         accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor):
         """The next step of the verified step just replayed (num_reqs requests of two rows, in its order), launched
         before the host has read it (SpecDecoder.chain): its layout derived on the device from the step's results
-        (step_builder.advance_verified: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read here
+        (ops.verified_layout.advance_verified: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read here
         before the replay overwrites them), then graph `key` replayed. pages: (request, first column, page ids) of the
         pages the requests took since, written into their block tables first. Returns (every row's argmax, the
         drafts each request keeps, every row's multi-stream states), views valid until the next replay."""
@@ -413,29 +412,12 @@ class CUDAGraphRunner:
         for r, first, ids in pages:
             tables[r, first: first + len(ids)].copy_(to_device(ids, self.device, torch.int32))
             self.tables["width"] = max(self.tables["width"], first + len(ids))
-        self._advance(num_reqs, accepted, emitted, drafts)
+        advance_verified(self.mbuf, num_reqs, self.page_size, self.C if self.config.qsa else 0, accepted, emitted,
+                         drafts)
         _, streams, tokens, kept = self._run(key)
         self.last_key = key
         rows = 2 * num_reqs
         return tokens[:rows], kept[:num_reqs], streams[:rows]
-
-    def _advance(self, num_reqs: int, accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor) -> None:
-        """advance_verified on the mixed buffers; on a GPU from a CUDA graph of its own (its forty-odd small kernels
-        would cost the host more than the step it prepares), one per batch size and results' buffers, captured at
-        first use."""
-        def advance():
-            advance_verified(self.mbuf, num_reqs, self.page_size, self.C if self.config.qsa else 0, accepted,
-                             emitted, drafts)
-
-        if self.device.type != "cuda":
-            return advance()
-        key = (num_reqs, accepted.data_ptr(), emitted.data_ptr(), drafts.data_ptr())
-        graph = self.advance_graphs.get(key)
-        if graph is None:
-            graph = self.advance_graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                advance()
-        graph.replay()
 
     @torch.inference_mode()
     def execute_draft_chained(self, key: tuple, streams: torch.Tensor, emitted: torch.Tensor):

@@ -17,6 +17,7 @@ from . import (  # noqa: E402,F401  (after the dispatch helpers, which every op 
     rotary,
     table_gather,
     tuning,
+    verified_layout,
 )
 from ._dispatch import HAS_TRITON, OpSettings, compiled_on_gpu, fast_path, settings, side_stream
 

@@ -1,0 +1,78 @@
+"""The layout of a verified step advanced on the device: how a speculative step is launched before the step
+before it has been read (engine/spec_decode.py, SpecDecoder.chain). The host builds every other layout
+(engine/step_builder.py); this derives the next step's layout from the current one and its results, where only the
+device knows how many drafts were kept."""
+
+import torch
+
+from ._dispatch import HAS_TRITON, fast_path
+
+if HAS_TRITON:
+    from . import verified_layout_triton
+
+
+def advance_verified(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int, compress: int,
+                     accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor) -> None:
+    """`advance_verified_ref`; on the fast path one Triton launch (a program per request) instead of its forty-odd
+    small kernels."""
+    if HAS_TRITON and fast_path(accepted) and num_reqs:
+        verified_layout_triton.advance_verified(buf, num_reqs, page_size, compress, accepted, emitted, drafts)
+    else:
+        advance_verified_ref(buf, num_reqs, page_size, compress, accepted, emitted, drafts)
+
+
+def advance_verified_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int, compress: int,
+                         accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor) -> None:
+    """The device layout of a step of `num_reqs` verified requests with one draft each (rows 2r, 2r + 1: the last
+    sampled token, the draft; the speculative graphs' mixed buffers `buf` as CUDAGraphRunner.prepare_mixed fills
+    them) turned, in place and on the device, into the layout of the same requests' next step, as `StepBuilder.build`
+    would give it once the host has read this step: it is how a step is launched before the previous one is read
+    (SpecDecoder.chain). From this step's results: `accepted` [R] drafts kept per request (greedy_acceptance),
+    `emitted` [2R] every row's argmax, `drafts` [2R] the draft layer's draft at every row.
+
+    Request r keeps 1 + a rows: its context grows by 1 + a, its next rows are the token emitted at row a and the
+    draft made there; its state moves to the slot of row a (the spare one it was stored into, the one after the
+    last row when a = 1), the slot it leaves becoming the spare; its n-gram context ends with its kept tokens; its
+    cache slots and the QSA blocks its rows complete follow from the new positions and its block tables (which must
+    already hold the pages of the next step's positions); `compress`: the QSA block size C (0: no QSA). Only rows of
+    the step's requests change: the padding request's and the empty rows' stay as they are."""
+    n, k1 = num_reqs, 2
+    rows = n * k1
+    a = accepted[:n]
+    grow = a + 1
+    ids = buf["input_ids"][:rows].view(n, k1)
+    context = buf["ngram_context"]
+    if context.shape[1]:  # the last ngram_size - 1 committed tokens before the next step's first token
+        m = context.shape[1]
+        tokens = torch.cat([context[:n], ids], 1)
+        context[:n] = tokens.gather(1, grow[:, None] + torch.arange(m, device=a.device))
+    kept = torch.arange(n, device=a.device) * k1 + a  # each request's last kept row
+    ids[:, 0] = emitted[kept]
+    ids[:, 1] = drafts[kept]
+    positions = buf["positions"][:rows].view(n, k1)
+    positions += grow[:, None]
+    buf["context_lens"][:n] += grow.to(buf["context_lens"].dtype)
+    pos = positions.reshape(-1)
+    req = torch.arange(n, device=a.device).repeat_interleave(k1)
+    slots = buf["block_tables"][req, pos // page_size].long() * page_size + pos % page_size
+    buf["slot_mapping"][:rows] = slots
+    # state slots: [spare, own] per request; the kept row's becomes its own, the one it leaves the spare
+    spare = buf["state_token_slots"][:rows].view(n, k1)[:, 0]
+    own = buf["state_slots"][:n]
+    moved = a == 0
+    new_own = torch.where(moved, spare, own)
+    buf["state_token_slots"][:rows].view(n, k1)[:, 0] = torch.where(moved, own, spare)
+    own.copy_(new_own)
+    if compress:  # the QSA blocks each request's two rows complete: one at most (two when C = 1), at entries r, n + r
+        c = buf["context_lens"][:n].long()
+        first = (compress - 1 - c % compress) % compress  # the first row whose position + 1 is a multiple of C
+        for i in range(-(-k1 // compress)):
+            local = first + i * compress
+            has = local < k1
+            row = torch.arange(n, device=a.device) * k1 + local.clamp(max=k1 - 1)
+            start = torch.where(has, slots[row] - (compress - 1), 0)
+            entries = slice(i * n, (i + 1) * n)
+            buf["new_block_token_slots"][entries] = torch.where(
+                has[:, None], start[:, None] + torch.arange(compress, device=a.device), 0)
+            buf["new_block_slots"][entries] = start // compress
+            buf["new_block_positions"][entries] = torch.where(has, pos[row] - (compress - 1), 0)

@@ -1,0 +1,54 @@
+"""A verified step's layout advanced on the device: the Triton kernel (GPU, or the interpreter on CPU) against the
+torch reference, on buffers shaped as the speculative graphs' (requests beyond the step, padding and stale entries
+included, which neither may touch), for every QSA block size and n-gram width."""
+
+import pytest
+import torch
+
+from qwen4exp.ops.verified_layout import advance_verified_ref
+
+triton = pytest.importorskip("triton")
+
+from qwen4exp.ops.verified_layout_triton import advance_verified  # noqa: E402
+
+
+def buffers(g, n: int, R: int, m: int, C: int, page: int, device) -> dict[str, torch.Tensor]:
+    """Mixed-step buffers for n verified requests (rows 2r, 2r + 1) among R request rows, 2R token rows; contexts
+    and pages such that every row's page is in its table."""
+    T, width = 2 * R, 8
+    context = torch.randint(1, width * page - 8, (R,), generator=g)
+    local = torch.arange(T) % 2
+    positions = context.repeat_interleave(2) + local
+    slots = torch.randperm(200, generator=g)[: 2 * R] + 1
+    token_slots = torch.where(local == 0, slots[R:].repeat_interleave(2), -1)
+    nb = max(C, 1)
+    return {name: t.to(device) for name, t in dict(
+        input_ids=torch.randint(3, 500, (T,), generator=g),
+        positions=positions,
+        slot_mapping=torch.randint(0, 999, (T,), generator=g),
+        context_lens=context.to(torch.int32),
+        state_slots=slots[:R].clone(),
+        state_token_slots=token_slots,
+        ngram_context=torch.randint(3, 500, (R, m), generator=g),
+        block_tables=torch.randint(1, 64, (R, width), generator=g, dtype=torch.int32),
+        new_block_token_slots=torch.randint(0, 999, (2 * R, nb), generator=g),
+        new_block_slots=torch.randint(0, 999, (2 * R,), generator=g),
+        new_block_positions=torch.randint(0, 999, (2 * R,), generator=g),
+    ).items()}
+
+
+@pytest.mark.parametrize("C,m", [(4, 2), (1, 2), (8, 3), (0, 0)])
+def test_advance_matches_reference(C, m):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(C * 10 + m)
+    for n, R in ((1, 1), (3, 5), (6, 6)):
+        for trial in range(3):
+            buf = buffers(g, n, R, m, C, 16, device)
+            accepted = torch.randint(0, 2, (n,), generator=g).to(device)
+            emitted = torch.randint(3, 500, (2 * n,), generator=g).to(device)
+            drafts = torch.randint(3, 500, (2 * n,), generator=g).to(device)
+            want = {k: v.clone() for k, v in buf.items()}
+            advance_verified_ref(want, n, 16, C, accepted, emitted, drafts)
+            advance_verified(buf, n, 16, C, accepted, emitted, drafts)
+            for name in buf:
+                assert torch.equal(buf[name], want[name]), (C, m, n, R, trial, name)
