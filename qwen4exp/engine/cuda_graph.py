@@ -404,8 +404,8 @@ class CUDAGraphRunner:
                         accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor):
         """The next step of the verified step just replayed (num_reqs requests of two rows, in its order), launched
         before the host has read it (SpecDecoder.chain): its layout derived on the device from the step's results
-        (ops.verified_layout.advance_verified: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read here
-        before the replay overwrites them), then graph `key` replayed. pages: (request, first column, page ids) of the
+        (ops.verified_layout: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read before the
+        replay overwrites them), then graph `key` replayed. pages: (request, first column, page ids) of the
         pages the requests took since, written into their block tables first. Returns (every row's argmax, the
         drafts each request keeps, every row's multi-stream states), views valid until the next replay."""
         tables = self.mbuf["block_tables"]
