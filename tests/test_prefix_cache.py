@@ -31,13 +31,14 @@ def greedy(max_tokens: int = 6) -> SamplingParams:
 
 
 def assert_same(got, want) -> None:
-    """Same tokens, and the chosen tokens' logprobs within 1e-5."""
+    """Same tokens, and the chosen tokens' logprobs within 1e-4: a prefill resumed from a checkpoint sums in another
+    order than one from the start, and fp32 CPU kernels differ by processor (3.3e-5 seen on one)."""
     for g, w in zip(got, want, strict=True):
         assert g.prompt_token_ids == w.prompt_token_ids
         g, w = g.outputs[0], w.outputs[0]
         assert g.token_ids == w.token_ids
         for lg, lw, t in zip(g.logprobs, w.logprobs, g.token_ids, strict=True):
-            assert abs(lg[t].logprob - lw[t].logprob) < 1e-5
+            assert abs(lg[t].logprob - lw[t].logprob) < 1e-4
 
 
 def assert_released(llm: LLM) -> None:
