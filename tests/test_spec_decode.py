@@ -749,8 +749,8 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
     """Steps launched before the step before them is read (SpecDecoder.chain: the layout derived on the device, on
     the graphs' buffers run eagerly) give the outputs of decoding without speculation, with drafts half right:
     requests stopping on a token inside a chain (its chained step's tokens dropped), one aborted while a chained step
-    is in flight, one arriving during a chain (which then stops for its prefill), too few pages for some chains;
-    every page and slot is free afterwards."""
+    is in flight, one arriving during a chain (which then stops for its prefill); every page and slot is free
+    afterwards."""
     from qwen4exp import ops
 
     rng = random.Random(21)
