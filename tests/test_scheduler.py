@@ -221,3 +221,23 @@ def test_finishing_and_aborting_at_any_time_leak_nothing():
             assert r.finished
             if r.request_id not in aborted:
                 assert len(r.output_token_ids) == r.max_tokens, seed
+
+
+def test_reserve_takes_pages_for_every_request_or_none():
+    """Pages reserved ahead of a step (a chained speculative step): each request gets the pages its positions need,
+    the new columns reported; when the free pages do not cover them all, nothing is taken and nobody is preempted."""
+    sched = scheduler(num_pages=12, budget=64)
+    a, b = request("a", 9), request("b", 5)
+    for req in (a, b):
+        sched.add(req)
+    run(sched, sched.schedule())
+    held = {r.request_id: list(r.pages) for r in (a, b)}
+    assert [len(p) for p in held.values()] == [3, 2]
+    taken = sched.reserve([a, b], [13, 8])  # a: 4 pages, b: 2 (no change)
+    assert taken == [(0, 3, a.pages[3:])] and a.pages[:3] == held["a"] and b.pages == held["b"]
+    check_pages(sched)
+    free = sched.cache.pages.num_free
+    assert sched.reserve([a, b], [16 + 4 * free, 12]) is None  # one page short
+    assert sched.cache.pages.num_free == free and len(a.pages) == 4 and len(b.pages) == 2
+    assert sched.running == [a, b] and not sched.waiting
+    check_pages(sched)
