@@ -267,6 +267,8 @@ def _conv1d_varlen_head_kernel(
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     start = tl.load(qsl_ptr + r)
     n = tl.load(qsl_ptr + r + 1) - start
+    if n == 0:  # an empty row of a mixed graph (most of them at small batches)
+        return
     slot = tl.load(slots_ptr + r)
     init = tl.load(has_init_ptr + r).to(tl.int32)
     c_ok = offs_c < C
@@ -295,7 +297,7 @@ def _conv1d_varlen_head_kernel(
     offs_p = tl.arange(0, LP)
     p_ok = offs_p < LST
     zero = tl.zeros([BC, LP], dtype=tl.int32)
-    init2d, nonempty = (zero + init) != 0, (zero + n) > 0
+    init2d = (zero + init) != 0
     pos = n + offs_p  # new state position p = position n + p of the window [old state (LST), inputs (n)]
     in_state = pos < LST
     base2d = base[:, None]
@@ -305,7 +307,7 @@ def _conv1d_varlen_head_kernel(
                  mask=c_ok[:, None] & (p_ok & ~in_state)[None, :], other=0.0)
     new = tl.where(in_state[None, :], old, xv.to(state_ptr.dtype.element_ty))
     tl.debug_barrier()  # the shift moves values between positions that other threads may still be reading
-    tl.store(base2d + offs_p[None, :] * stride_sl, new, mask=c_ok[:, None] & p_ok[None, :] & nonempty)
+    tl.store(base2d + offs_p[None, :] * stride_sl, new, mask=c_ok[:, None] & p_ok[None, :])
 
 
 def causal_conv1d_varlen(

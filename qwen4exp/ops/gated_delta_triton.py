@@ -17,7 +17,8 @@ the merged in_proj output are fine) with A_log, dt_bias [Hv], and computes the g
 the kernel, with its dtypes: beta = sigmoid(b) rounded to b's dtype, g = -exp(A_log) * softplus(a + dt_bias) in fp32.
 
 Everything per request is read from device tensors and all shapes are fixed by B, so the call can be captured in a
-CUDA graph. Padding rows carry slot 0 (the null slot): they read and write slot 0 only, which may hold garbage.
+CUDA graph. Padding rows carry slot 0 (the null slot): they read and write slot 0 only, which may hold garbage;
+with `query_start_loc`, requests without tokens read and write nothing.
 """
 
 import torch
@@ -99,6 +100,11 @@ def _fused_recurrent_gdn_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
 
+    if VARLEN:  # request b owns tokens query_start_loc[b] : query_start_loc[b + 1]
+        start = tl.load(qsl_ptr + b).to(tl.int64)
+        end = tl.load(qsl_ptr + b + 1).to(tl.int64)
+        if start == end:  # an empty row of a mixed graph (most of them at small batches): no state traffic
+            return
     slot = tl.load(slots_ptr + b)
     has_init = tl.load(has_init_ptr + b).to(tl.int32)
     s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
@@ -113,8 +119,8 @@ def _fused_recurrent_gdn_kernel(
     q_off, k_off, v_off = hk * stride_qh, hk * stride_kh, h * stride_vh
     g_off, b_off, o_off = h * stride_gh, h * stride_bh, h * stride_oh
 
-    if VARLEN:  # request b owns tokens query_start_loc[b] : query_start_loc[b + 1] (possibly none)
-        for tok in range(tl.load(qsl_ptr + b).to(tl.int64), tl.load(qsl_ptr + b + 1).to(tl.int64)):
+    if VARLEN:
+        for tok in range(start, end):
             state = _token_step(state, tok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt,
                                 stride_vt, stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off, b_off, o_off,
                                 offs_k, offs_v, scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
@@ -175,7 +181,8 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         assert all(p.shape == (hv,) and p.stride(0) == 1 for p in gate_params), "A_log and dt_bias: [Hv]"
     if token_slots is not None:
         assert token_slots.dtype == torch.int64 and token_slots.shape[0] >= total
-    bv = block_v or _block_v(B * hv, dv)
+    # with query_start_loc, at most `total` requests bring tokens (a mixed graph has a row for every batch slot)
+    bv = block_v or _block_v((B if query_start_loc is None else min(B, max(total, 1))) * hv, dv)
     assert _is_pow2(bv) and bv <= dv
 
     out = torch.empty((total, hv, dv), dtype=v.dtype, device=v.device)
