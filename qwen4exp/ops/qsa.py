@@ -128,10 +128,9 @@ def qsa_block_scores_torch(
     return torch.where(mask, scores, float("-inf"))
 
 
-def _pack_selection(
-    top: torch.Tensor, token_pos: torch.Tensor, C: int, width: int
-) -> torch.Tensor:
-    """top [n, k] block ids from topk (invisible picks included) -> [n, width] int32 packed token indices."""
+def pack_selection_ref(top: torch.Tensor, token_pos: torch.Tensor, C: int, width: int) -> torch.Tensor:
+    """top [n, k] block ids from topk (invisible picks included) -> [n, width] int32 packed token indices: each
+    visible pick's C tokens in pick order, then the incomplete block's tokens up to the token's position, then -1."""
     n, k = top.shape
     dev = top.device
     pos = token_pos.long()
@@ -164,8 +163,9 @@ def qsa_select_batched(
 ) -> torch.Tensor:
     """QSA selection for a flat batch of tokens: [T, budget + C - 1] int32 logical indices, -1 padded.
 
-    max_blocks: static bound on visible blocks (>= max context // C). use_triton: score with the Triton kernel
-    (default: when index_q is on CUDA and Triton is importable) rather than `qsa_block_scores_torch`.
+    max_blocks: static bound on visible blocks (>= max context // C). use_triton: score and pack with the Triton
+    kernels (default: when index_q is on CUDA and Triton is importable) rather than `qsa_block_scores_torch` and
+    `pack_selection_ref`.
     max_chunk_bytes bounds per-chunk temporaries.
     """
     T, hi, di = index_q.shape
@@ -176,7 +176,7 @@ def qsa_select_batched(
         return out
     if k == 0:
         # no complete block can ever be picked: only the tail
-        return _pack_selection(torch.zeros(T, 0, dtype=torch.long, device=index_q.device), token_pos, C, width)
+        return pack_selection_ref(torch.zeros(T, 0, dtype=torch.long, device=index_q.device), token_pos, C, width)
     if use_triton is None:
         # tl.dot needs a reduction dim of at least 16 (the released models use 128)
         use_triton = HAS_TRITON and index_q.is_cuda and di >= 16
@@ -191,5 +191,6 @@ def qsa_select_batched(
         scores = score_fn(index_q[s:e], block_key, block_tables, token_req[s:e], token_pos[s:e], C, max_blocks)
         # unsorted topk: the packing below orders by pick rank, not score
         top = scores.topk(k, dim=-1, sorted=False).indices
-        out[s:e] = _pack_selection(top, token_pos[s:e], C, width)
+        pack = qsa_triton.pack_selection if use_triton else pack_selection_ref
+        out[s:e] = pack(top, token_pos[s:e], C, width)
     return out

@@ -1,9 +1,13 @@
-"""QSA block scores in Triton: the scoring step of `ops.qsa.qsa_select_batched` on the GPU.
+"""QSA block selection in Triton: the scoring and packing steps of `ops.qsa.qsa_select_batched` on the GPU (topk
+runs between them in torch).
 
 For every token, the score of every visible complete block of its request, read through the block table in place:
 sum_h relu(q_h . k_b) / sqrt(Di), fp32, -inf for invisible blocks (b >= V = (pos + 1) // C). One program scores
 BLOCK_T consecutive tokens x BLOCK_B blocks; prefill tokens of one request share every block key, so one
 [BLOCK_T * Hi, Di] x [Di, BLOCK_B] dot serves them all. Shapes are static (T, max_blocks): CUDA-graph capturable.
+
+Packing (`pack_selection`): topk's picks into each token's row of logical token indices, one program a token; in
+torch (`ops.qsa.pack_selection_ref`) it is some twenty small launches, ~30 us of a decode step per QSA layer.
 """
 
 import math
@@ -101,5 +105,53 @@ def qsa_block_scores_triton(
         BLOCK_T=block_t, HI_P=hi_p, BLOCK_DI=triton.next_power_of_2(di), BLOCK_B=block_b,
         DOT_PREC="ieee" if index_q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, **launch_options(index_q)
+    )
+    return out
+
+
+@triton.jit(do_not_specialize=["K", "width"])
+def _pack_selection_kernel(
+    top_ptr, pos_ptr, out_ptr,
+    K, width,
+    stride_top, stride_out,
+    C: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_P: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr
+):
+    """One token's row: its kept picks' tokens in pick order, then its tail, then -1 (see `pack_selection`)."""
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    vis = (pos + 1) // C
+    offs_k = tl.arange(0, BLOCK_K)
+    top = tl.load(top_ptr + row * stride_top + offs_k, mask=offs_k < K, other=0).to(tl.int64)
+    keep = (offs_k < K) & (top < vis)  # topk fills with invisible (-inf) blocks once fewer than K are visible
+    kept = tl.sum(keep.to(tl.int32), 0)
+    rank = tl.cumsum(keep.to(tl.int32), 0) - 1
+    out_row = out_ptr + row * stride_out
+    for c in tl.static_range(C):
+        tl.store(out_row + rank * C + c, (top * C + c).to(tl.int32), mask=keep)
+    n_sel = tl.minimum(vis, K)
+    tail_n = pos + 1 - vis * C  # the incomplete block's tokens, fewer than C
+    offs_t = tl.arange(0, TAIL_P)
+    tl.store(out_row + n_sel * C + offs_t, (vis * C + offs_t).to(tl.int32), mask=offs_t < tail_n)
+    # -1 everywhere else: past the tail, and between the kept picks and the tail (empty but with NaN scores,
+    # which can leave fewer picks visible than n_sel)
+    filled = n_sel * C + tail_n
+    for w0 in range(0, width, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        empty = (offs_w >= kept * C) & ((offs_w < n_sel * C) | (offs_w >= filled)) & (offs_w < width)
+        tl.store(out_row + offs_w, tl.full([BLOCK_W], -1, tl.int32), mask=empty)
+
+
+def pack_selection(top: torch.Tensor, token_pos: torch.Tensor, C: int, width: int) -> torch.Tensor:
+    """`ops.qsa.pack_selection_ref` in one launch (a program per token): top [n, k] block ids from topk, token_pos
+    [n] -> [n, width] int32."""
+    n, k = top.shape
+    out = torch.empty(n, width, dtype=torch.int32, device=top.device)
+    if n == 0:
+        return out
+    _pack_selection_kernel[(n,)](
+        top, token_pos, out, k, width, top.stride(0), out.stride(0),
+        C=C, BLOCK_K=triton.next_power_of_2(max(k, 1)), TAIL_P=triton.next_power_of_2(max(C - 1, 1)),
+        BLOCK_W=min(1024, triton.next_power_of_2(width)), num_warps=4, **launch_options(top)
     )
     return out

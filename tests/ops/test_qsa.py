@@ -156,6 +156,28 @@ def test_triton_scores_match_torch(block_t):
 
 
 @needs_triton
+@pytest.mark.parametrize("k", [1, 5, 8])
+def test_triton_packing_equals_torch(k):
+    """The packing of topk's picks, exactly as the torch reference: visible picks' tokens in pick order, the tail,
+    -1 after; positions give 0 .. 12 visible blocks (fewer than k: invisible picks dropped) and every tail length.
+    The picks are topk's over 16 blocks, invisible ones at -inf, in a random order within each row."""
+    from qwen4exp.ops.qsa_triton import pack_selection
+
+    g = torch.Generator().manual_seed(k)
+    pos = torch.arange(0, 13 * C)
+    scores = torch.rand(pos.numel(), 16, generator=g)
+    scores[torch.arange(16)[None, :] >= ((pos + 1) // C)[:, None]] = float("-inf")
+    top = scores.topk(k, dim=-1).indices
+    top = torch.stack([row[torch.randperm(k, generator=g)] for row in top]).to(DEVICE)
+    pos = pos.to(DEVICE)
+    for width in (k * C + C - 1, 64):  # the engine's width, and a wider buffer
+        expected = qsa_ops.pack_selection_ref(top, pos, C, width)
+        got = pack_selection(top, pos, C, width)
+        assert got.dtype == torch.int32 and torch.equal(got, expected)
+    assert (expected >= 0).sum(1).tolist() == [min((p + 1) // C, k) * C + (p + 1) % C for p in pos.tolist()]
+
+
+@needs_triton
 def test_fp16_keys_triton():
     b = make_batch(16, seed=7, dtype=torch.float16)
     assert_same_sets(fast(b, 16, use_triton=True), reference(b, 16), b["token_pos"], 16)
