@@ -3,10 +3,14 @@ prefill step (one 8k prompt) in order, with the idle gap before each, and the pr
 64-request run (1k in / 256 out). flash-next-128e, random weights in bf16 (or fp8 with --quantization fp8).
 
     python benchmarks/profile_step.py --out OUT [--parts decode,prefill,phases] [--quantization fp8]
+        [--preset small] [--max-num-seqs 8] [--max-model-len 2048] [--decode-batches 1]
+        [--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}']
 
 Writes OUT/step_profile.json and, per profiled step, OUT/<step>_kernels.txt. Kernel times come from the torch
-profiler (CUPTI sees the kernels inside a graph replay); a step's wall time is measured around `engine.step()`,
-which returns once the sampled ids are on the host, and is inflated by the profiler.
+profiler (CUPTI sees the kernels inside a graph replay); with programmatic dependent launch (on by default on
+Hopper) a kernel starts early and its time includes the wait for the kernel before it, so run with QWEN4EXP_PDL=0
+for per-kernel times. A step's wall time is measured around `engine.step()`, which returns once the sampled ids are
+on the host, and is inflated by the profiler.
 """
 
 from __future__ import annotations
@@ -154,6 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="the engine's step budget (its warm-up compiles prefill shapes up to it)")
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="block-scaled fp8 weights, built in place")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=33 * 1024, help="(at most the preset's)")
+    ap.add_argument("--decode-batches", default="1,64", help="comma-separated batch sizes the decode part profiles")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help="the engine's speculative decoding (JSON, as `serve` takes it): decode steps then verify "
+                         "and draft; with random weights the drafts are rejected, so each step emits one token")
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     unknown = [p for p in parts if p not in PARTS]
@@ -163,16 +173,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("qwen4exp").setLevel(logging.INFO)
     os.makedirs(args.out, exist_ok=True)
     cfg = preset_model_config(args.preset)
-    ecfg = EngineConfig(max_model_len=min(33 * 1024, cfg.max_position_embeddings), max_num_seqs=64,
-                        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.92,
-                        cuda_graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64], quantization=args.quantization)
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b <= args.max_num_seqs]
+    ecfg = EngineConfig(max_model_len=min(args.max_model_len, cfg.max_position_embeddings),
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        gpu_memory_utilization=0.92, cuda_graph_sizes=sizes, quantization=args.quantization,
+                        speculative_config=args.speculative_config)
     engine, startup = dummy_engine(cfg, ecfg, torch.device("cuda"))
-    results = {"startup_s": startup, "device": torch.cuda.get_device_name(0), "quantization": args.quantization}
+    results = {"startup_s": startup, "device": torch.cuda.get_device_name(0), "quantization": args.quantization,
+               "preset": args.preset, "speculative_config": args.speculative_config}
     path = os.path.join(args.out, "step_profile.json")
     for part in parts:
         if part == "decode":
-            decode_part(engine, args.out, 1, results)
-            decode_part(engine, args.out, 64, results)
+            for batch in args.decode_batches.split(","):
+                decode_part(engine, args.out, int(batch), results)
         elif part == "prefill":
             prefill_part(engine, args.out, results)
         elif part == "phases":

@@ -153,6 +153,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--tokens", default=None, help="comma-separated token counts instead of the benchmark's own")
     p.add_argument("--reps", type=int, default=30, help="timed rounds of each variant (median reported)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--preset", default=PRESET,
+                   help="the model whose widths the benchmark runs at (thresholds in ops/tuning.py were measured at "
+                        f"{PRESET}'s)")
     p.add_argument("--tiny", action="store_true",
                    help="the tiny preset's widths in fp32 on the CPU, Triton kernels in the interpreter: checks "
                         "the benchmark, not speed")
@@ -169,7 +172,7 @@ class Bench:
         self.device = torch.device("cpu" if args.tiny else "cuda")
         # the model's bf16 on the GPU; fp32 in the interpreter, which has no bf16 tl.dot
         self.dtype = torch.float32 if args.tiny else torch.bfloat16
-        self.widths = widths(TINY_PRESET if args.tiny else PRESET)
+        self.widths = widths(TINY_PRESET if args.tiny else args.preset)
         self.reps = 1 if args.tiny else args.reps
         self.json_path = args.json
         self._tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
@@ -213,7 +216,7 @@ class Bench:
         if not hasattr(self, "_model_config"):
             from .engines import preset_model_config
 
-            self._model_config = preset_model_config(TINY_PRESET if self.tiny else PRESET)
+            self._model_config = preset_model_config(TINY_PRESET if self.tiny else self.args.preset)
         return self._model_config
 
     def step(self, requests: list[tuple[int, int]], page_size: int = 16, graph: bool = False):
