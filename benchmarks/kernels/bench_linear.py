@@ -2,7 +2,8 @@
 partial products.
 
   gemv       every projection the model runs through ops.linear (merged weights as laid out), cuBLAS (F.linear,
-             the reference) against the Triton GEMV, around tuning.GEMV_MAX_TOKENS.
+             the reference) against the Triton GEMV, around tuning.GEMV_MAX_TOKENS and GEMV_SMALL_MAX_TOKENS (the
+             GEMV's reach for weights of at most GEMV_SMALL_WEIGHT elements, e.g. `--preset small`'s).
   partials   a block's output projection and the next mix's combine + norm pass that reads it (hc_prenorm):
              cuBLAS's product against tuning.OUTPUT_SPLITS fp32 partial products summed by the combine, around
              tuning.PARTIALS_MAX_TOKENS.
@@ -22,7 +23,7 @@ def gemv(bench):
     for name, n, k, calls in bench.widths.projections():
         weights = bench.rotation(bench.copies(lambda: bench.weight(n, k), n * k * 2, calls))
         case = f"{name} [{n}, {k}], {calls} a step"
-        for tokens in bench.tokens(around(tuning.GEMV_MAX_TOKENS) + [4]):
+        for tokens in bench.tokens(around(tuning.GEMV_MAX_TOKENS) + around(tuning.GEMV_SMALL_MAX_TOKENS)):
             x = bench.randn(tokens, k)
 
             def op():

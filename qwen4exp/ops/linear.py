@@ -1,7 +1,8 @@
 """Linear projections.
 
 `linear` is F.linear, except for one token on the GPU (decode), where cuBLAS runs these widths well below HBM
-bandwidth: there it is one Triton GEMV launch (linear_triton.py).
+bandwidth: there it is one Triton GEMV launch (linear_triton.py); small projections take the GEMV up to a few tokens
+(`gemv_max_tokens`).
 
 `merged_linear` is one `linear` over the stacked weights of several projections of the same input, split into their
 outputs (the weights of `model.merged_linear.MergedLinear`).
@@ -23,14 +24,21 @@ if HAS_TRITON:
     from . import linear_triton
 
 
+def gemv_max_tokens(weight: torch.Tensor) -> int:
+    """Tokens up to which a bias-free projection by `weight` runs as the GEMV on the GPU (ops/tuning.py)."""
+    if weight.numel() <= tuning.GEMV_SMALL_WEIGHT:
+        return max(tuning.GEMV_MAX_TOKENS, tuning.GEMV_SMALL_MAX_TOKENS)
+    return tuning.GEMV_MAX_TOKENS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); the Triton GEMV for bias-free projections of up to tuning.GEMV_MAX_TOKENS tokens
-    on the fast path. A float8_e4m3fn weight with its block scales `scale` is a block-scaled fp8 product
+    """F.linear(x, weight, bias); the Triton GEMV for bias-free projections of up to `gemv_max_tokens(weight)`
+    tokens on the fast path. A float8_e4m3fn weight with its block scales `scale` is a block-scaled fp8 product
     (`ops.fp8.linear`)."""
     if weight.dtype == fp8.FP8:
         return fp8.linear(x, weight, scale, bias)
-    if (bias is None and HAS_TRITON and fast_path(x) and x.dim() == 2 and x.shape[0] <= tuning.GEMV_MAX_TOKENS
+    if (bias is None and HAS_TRITON and fast_path(x) and x.dim() == 2 and x.shape[0] <= gemv_max_tokens(weight)
             and linear_triton.supported(x, weight)):
         return linear_triton.gemv(x, weight)
     return F.linear(x, weight, bias)

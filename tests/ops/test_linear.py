@@ -95,15 +95,20 @@ def test_cpu_path_is_f_linear():
     assert torch.equal(linear_ops.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_dispatch_on_the_fast_path(monkeypatch):
+@pytest.mark.parametrize("small_weight", [True, False])
+def test_dispatch_on_the_fast_path(monkeypatch, small_weight):
     """With the fast path on (the interpreter stands in for the GPU), few tokens take the kernel, including a
-    MergedLinear's padded weight; more tokens and biases take F.linear."""
+    MergedLinear's padded weight; more tokens and biases take F.linear. A small weight (tuning.GEMV_SMALL_WEIGHT)
+    takes it up to tuning.GEMV_SMALL_MAX_TOKENS, a larger one up to tuning.GEMV_MAX_TOKENS."""
     calls = []
     import qwen4exp.ops.linear_triton as tlin
 
     real = tlin.gemv
     monkeypatch.setattr(tlin, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    if not small_weight:  # this test's weight, 512 elements, counts as large
+        monkeypatch.setattr(ops.tuning, "GEMV_SMALL_WEIGHT", 511)
+    limit = ops.tuning.GEMV_SMALL_MAX_TOKENS if small_weight else MAX_TOKENS
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(3)
     merged = MergedLinear(32, {"a": 5, "b": 1, "c": 7}).to(dev)  # 13 rows + 3 zero rows of padding
@@ -111,15 +116,15 @@ def test_dispatch_on_the_fast_path(monkeypatch):
     weights = [view for _, view in merged.part_tensors()]
     for w in weights:
         w.copy_(torch.randn(w.shape, generator=g).to(dev))
-    for tokens in (1, MAX_TOKENS, MAX_TOKENS + 1):
+    for tokens in (1, limit, limit + 1):
         x = torch.randn(tokens, 32, generator=g).to(dev)
         with torch.no_grad():
             got = merged(x)
         for y, w in zip(got, weights):
             torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert calls == [1, MAX_TOKENS]
+    assert calls == [1, limit]
     linear_ops.linear(x[:1], weights[0], torch.zeros(5, device=dev))
-    assert calls == [1, MAX_TOKENS]
+    assert calls == [1, limit]
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
