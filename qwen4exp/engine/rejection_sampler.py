@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import ops
 from .request import Request, SamplingParams
 from .sampler import SampledBatch, Sampler, SamplerOutput, _adjusts_logits, _filter, apply_penalties, reads_history
 from .step_builder import to_device
@@ -78,22 +79,12 @@ class VerifiedBatch:
 
 def greedy_acceptance(tokens: torch.Tensor, meta, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy verification on the device, fixed shapes (it runs inside the speculative CUDA graphs): the drafts each
-    request of the step keeps if it decodes greedily from the raw logits, [R] long. tokens: the argmax of the rows
-    `rows` of the step (None: all T rows), which hold every row of a verified request. A row has a draft after it
-    where its state is stored (`meta.state_token_slots` >= 0): the next row's input id. A verified request keeps
-    the leading run of rows whose argmax equals that draft; every other request keeps none."""
-    num_tokens = meta.num_tokens
+    request of the step keeps if it decodes greedily from the raw logits, [R] long (`ops.acceptance`). tokens: the
+    argmax of the rows `rows` of the step (None: all T rows), which hold every row of a verified request."""
     if meta.state_token_slots is None:
         return torch.zeros(meta.num_reqs, dtype=torch.long, device=tokens.device)
-    if rows is None:
-        rows = torch.arange(num_tokens, device=tokens.device)
-    has_draft = meta.state_token_slots[rows] >= 0
-    after_draft = (rows > 0) & (meta.state_token_slots[(rows - 1).clamp_min(0)] >= 0)  # a verified request's last
-    accept = has_draft & (tokens == meta.input_ids[(rows + 1).clamp_max(num_tokens - 1)])
-    local = meta.token_local[rows]
-    stop = torch.where(accept, num_tokens, torch.where(has_draft | after_draft, local, 0))
-    first = torch.full((meta.num_reqs,), num_tokens, dtype=torch.long, device=tokens.device)
-    return first.scatter_reduce_(0, meta.token_req[rows], stop, "amin")
+    return ops.acceptance.greedy_acceptance(tokens, meta.state_token_slots, meta.input_ids, meta.token_local,
+                                            meta.token_req, meta.num_reqs, rows)
 
 
 class RejectionSampler:

@@ -5,6 +5,7 @@ between implementations live in `tuning.py`.
 """
 
 from . import (  # noqa: E402,F401  (after the dispatch helpers, which every op module imports)
+    acceptance,
     attention,
     conv,
     gated_delta,
