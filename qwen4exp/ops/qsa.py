@@ -171,9 +171,8 @@ def qsa_select_batched(
     T, hi, di = index_q.shape
     width = budget + C - 1
     k = min(budget // C, max_blocks)
-    out = torch.empty(T, width, dtype=torch.int32, device=index_q.device)
     if T == 0:
-        return out
+        return torch.empty(0, width, dtype=torch.int32, device=index_q.device)
     if k == 0:
         # no complete block can ever be picked: only the tail
         return pack_selection_ref(torch.zeros(T, 0, dtype=torch.long, device=index_q.device), token_pos, C, width)
@@ -186,11 +185,12 @@ def qsa_select_batched(
         per_token = max_blocks * (di * (block_key.element_size() + 4) + hi * 4 + 4 + 8 * 3)
     chunk = max(1, max_chunk_bytes // max(per_token, 1))
     score_fn = qsa_triton.qsa_block_scores_triton if use_triton else qsa_block_scores_torch
+    pack = qsa_triton.pack_selection if use_triton else pack_selection_ref
+    parts = []
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
         scores = score_fn(index_q[s:e], block_key, block_tables, token_req[s:e], token_pos[s:e], C, max_blocks)
         # unsorted topk: the packing below orders by pick rank, not score
         top = scores.topk(k, dim=-1, sorted=False).indices
-        pack = qsa_triton.pack_selection if use_triton else pack_selection_ref
-        out[s:e] = pack(top, token_pos[s:e], C, width)
-    return out
+        parts.append(pack(top, token_pos[s:e], C, width))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
