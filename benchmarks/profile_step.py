@@ -1,6 +1,7 @@
 """Where a step's time goes on the GPU: every kernel of a CUDA-graph decode step (batch 1 and 64) and of an eager
-prefill step (one 8k prompt) in order, with the idle gap before each, and the prefill / decode split of the
-64-request run (1k in / 256 out). flash-next-128e, random weights in bf16 (or fp8 with --quantization fp8).
+prefill step (one 8k prompt) in order, with the idle gap before each, the device time of each decode graph replayed
+alone, and the prefill / decode split of the 64-request run (1k in / 256 out). flash-next-128e, random weights in
+bf16 (or fp8 with --quantization fp8).
 
     python benchmarks/profile_step.py --out OUT [--parts decode,prefill,phases] [--quantization fp8]
         [--preset small] [--max-num-seqs 8] [--max-model-len 2048] [--decode-batches 1]
@@ -89,17 +90,54 @@ def profile_steps(engine, steps: int, out_dir: str, tag: str) -> dict:
     return result
 
 
+def graph_runners(engine) -> dict:
+    """The engine's CUDA-graph runners by role: the target's, and the draft layer's with speculative decoding."""
+    runners = {"target": engine.runner.graphs}
+    if engine.spec is not None:
+        runners["draft"] = getattr(engine.spec.proposer, "graphs", None)
+    return {role: r for role, r in runners.items() if r is not None}
+
+
+def replay_us(graph, reps: int = 200) -> float:
+    """Device time of one replay of `graph`, alone: CUDA events around `reps` back-to-back replays."""
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def decode_part(engine, out_dir: str, batch: int, results: dict) -> None:
-    """Ten graph-decode steps of `batch` requests (128-token prompts), once every request is decoding."""
+    """Ten graph-decode steps of `batch` requests (128-token prompts), once every request is decoding; then each
+    graph those steps replayed, replayed alone (its device time without the host: a verify and a draft graph apart
+    with speculative decoding)."""
     vocab = engine.model_config.vocab_size
     for i, p in enumerate(random_prompts(batch, 128, vocab, seed=5)):
         engine.add_request(f"dec{batch}-{i}", {"prompt_token_ids": p},
                            SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False))
     while any(len(r.output_token_ids) < 8 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    results[f"decode_b{batch}"] = profile_steps(engine, 10, out_dir, f"decode_b{batch}")
+    replayed = {role: set() for role in graph_runners(engine)}
+    runs = {}
+    for role, runner in graph_runners(engine).items():
+        runs[role] = runner._run
+        runner._run = lambda key, role=role, run=runner._run: replayed[role].add(key) or run(key)
+    try:
+        results[f"decode_b{batch}"] = profile_steps(engine, 10, out_dir, f"decode_b{batch}")
+    finally:
+        for role, runner in graph_runners(engine).items():
+            runner._run = runs[role]
     while engine.has_unfinished_requests():
         engine.step()
+    # after the requests finished: a replay rewrites only the freed pages and slots of the last step's layout
+    times = {f"{role} {key}": replay_us(graph_runners(engine)[role].graphs[key][0])
+             for role, keys in replayed.items() for key in sorted(keys, key=str)}
+    results[f"decode_b{batch}"]["graph_replay_us"] = times
+    log(f"decode_b{batch} graph replays alone, us:", {k: round(v, 1) for k, v in times.items()})
 
 
 def prefill_part(engine, out_dir: str, results: dict) -> None:
