@@ -749,8 +749,8 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
     """Steps launched before the step before them is read (SpecDecoder.chain: the layout derived on the device, on
     the graphs' buffers run eagerly) give the outputs of decoding without speculation, with drafts half right:
     requests stopping on a token inside a chain (its chained step's tokens dropped), one aborted while a chained step
-    is in flight, one arriving during a chain (which then stops for its prefill); every page and slot is free
-    afterwards."""
+    is in flight, one arriving during a chain (which then stops for its prefill), chains stopped by pages running
+    short; every page and slot is free afterwards."""
     from qwen4exp import ops
 
     rng = random.Random(21)
@@ -771,6 +771,12 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
     engine.spec.proposer.graphs = ScriptedDraftGraphs(engine, target, sequences)
     chain, chained = engine.spec.chain, []
     engine.spec.chain = lambda eng, step: (lambda nxt: chained.append(nxt is not None) or nxt)(chain(eng, step))
+    reserve, reservations = engine.scheduler.reserve, []
+
+    def short_every_seventh(reqs, reach):  # as when the free pages run short: the chain stops for an ordinary step
+        reservations.append(len(reservations) % 7 != 6)
+        return reserve(reqs, reach) if reservations[-1] else None
+    engine.scheduler.reserve = short_every_seventh
     outputs, aborted = {}, False
     for rid, prompt, params in requests[:3]:
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -787,4 +793,5 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
     assert aborted and "2" not in outputs
     assert_same_outputs(outputs, expected, [r for r in requests if r[0] != "2"])
     assert sum(chained) > 10 and not all(chained), "chained steps and steps that could not chain"
+    assert not all(reservations), "chains stopped for want of pages"
     assert engine.cache.all_free()
