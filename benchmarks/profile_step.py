@@ -1,5 +1,5 @@
 """Where a step's time goes on the GPU: every kernel of a CUDA-graph decode step (batch 1 and 64) and of an eager
-prefill step (one 8k prompt) in order, with the idle gap before each, the device time of each decode graph replayed
+prefill step (one 8k prompt) in order, with the idle gap before each, the GPU time of each decode graph replayed
 alone, and the prefill / decode split of the 64-request run (1k in / 256 out). flash-next-128e, random weights in
 bf16 (or fp8 with --quantization fp8).
 
@@ -99,7 +99,7 @@ def graph_runners(engine) -> dict:
 
 
 def replay_us(graph, reps: int = 200) -> float:
-    """Device time of one replay of `graph`, alone: CUDA events around `reps` back-to-back replays."""
+    """GPU time of one replay of `graph`, alone: CUDA events around `reps` back-to-back replays."""
     for _ in range(10):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -113,7 +113,7 @@ def replay_us(graph, reps: int = 200) -> float:
 
 def decode_part(engine, out_dir: str, batch: int, results: dict) -> None:
     """Ten graph-decode steps of `batch` requests (128-token prompts), once every request is decoding; then each
-    graph those steps replayed, replayed alone (its device time without the host: a verify and a draft graph apart
+    graph those steps replayed, replayed alone (its GPU time without the host: a verify and a draft graph apart
     with speculative decoding)."""
     vocab = engine.model_config.vocab_size
     for i, p in enumerate(random_prompts(batch, 128, vocab, seed=5)):

@@ -40,8 +40,8 @@ previous step accepted, read by the host): instead the drafts stay on the device
 pending tokens, and the host's only wait a step is for the verification, while the device drafts. Where the steps
 are uniform (k = 1, every request verified greedily inside the graph, nothing else waiting), the next step is
 chained: launched before the host reads the current one, its layout derived on the device (`SpecDecoder.chain`),
-so the host's work of a step runs while the device computes the next (the step then costs its device time, not
-the sum of the host's and the device's).
+so the host's work of a step runs while the device computes the next (the step then costs the larger of the two,
+not their sum).
 
 A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
 speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through
