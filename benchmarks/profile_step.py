@@ -27,6 +27,7 @@ import torch
 
 from qwen4exp.bench.engines import dummy_engine, preset_model_config
 from qwen4exp.bench.offline import random_prompts, run_requests
+from qwen4exp.bench.timing import time_per_call_us
 from qwen4exp.config import EngineConfig
 from qwen4exp.engine.request import SamplingParams
 
@@ -98,19 +99,6 @@ def graph_runners(engine) -> dict:
     return {role: r for role, r in runners.items() if r is not None}
 
 
-def replay_us(graph, reps: int = 200) -> float:
-    """GPU time of one replay of `graph`, alone: CUDA events around `reps` back-to-back replays."""
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
 def decode_part(engine, out_dir: str, batch: int, results: dict) -> None:
     """Ten graph-decode steps of `batch` requests (128-token prompts), once every request is decoding; then each
     graph those steps replayed, replayed alone (its GPU time without the host: a verify and a draft graph apart
@@ -121,20 +109,20 @@ def decode_part(engine, out_dir: str, batch: int, results: dict) -> None:
                            SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False))
     while any(len(r.output_token_ids) < 8 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    replayed = {role: set() for role in graph_runners(engine)}
-    runs = {}
-    for role, runner in graph_runners(engine).items():
-        runs[role] = runner._run
+    runners = graph_runners(engine)
+    replayed = {role: set() for role in runners}
+    for role, runner in runners.items():  # record the graphs the profiled steps replay
         runner._run = lambda key, role=role, run=runner._run: replayed[role].add(key) or run(key)
     try:
         results[f"decode_b{batch}"] = profile_steps(engine, 10, out_dir, f"decode_b{batch}")
     finally:
-        for role, runner in graph_runners(engine).items():
-            runner._run = runs[role]
+        for runner in runners.values():
+            del runner._run  # the class's method again
     while engine.has_unfinished_requests():
         engine.step()
-    # after the requests finished: a replay rewrites only the freed pages and slots of the last step's layout
-    times = {f"{role} {key}": replay_us(graph_runners(engine)[role].graphs[key][0])
+    # after the requests finished: a replay rewrites only the freed pages and slots of the last step's layout; the
+    # median over rounds of 20 replays back to back, between CUDA events
+    times = {f"{role} {key}": time_per_call_us(runners[role].graphs[key][0].replay, 20, graph=False, reps=10)
              for role, keys in replayed.items() for key in sorted(keys, key=str)}
     results[f"decode_b{batch}"]["graph_replay_us"] = times
     log(f"decode_b{batch} graph replays alone, us:", {k: round(v, 1) for k, v in times.items()})

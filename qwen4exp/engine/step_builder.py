@@ -300,4 +300,3 @@ class StepBuilder:
         if features:
             layout.mm_rows = np.concatenate(rows)
             layout.mm_features = torch.cat(features)
-
