@@ -18,19 +18,18 @@ def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank:
     """The pending combine of the previous block's output (when block_out is given), then the mix:
     returns (streams, block input [T, H], injection weights [T, hc] or None without `inject`).
 
-    GPU dispatch: up to tuning.HC_DECODE_MAX_TOKENS tokens two Triton launches (batch-1 decode); more tokens one
-    Triton pass for the combine and the norm (`hc_prenorm`) and inductor's fusion of the rest, with the down
-    projection as tuning.DOWN_SPLITS fp32 partial products up to tuning.PARTIALS_MAX_TOKENS tokens.
+    GPU dispatch: up to tuning.HC_DECODE_MAX_TOKENS tokens two Triton launches, the combine in the first (batch-1
+    decode); more tokens one Triton pass for the combine and the norm (`hc_prenorm`) and inductor's fusion of the
+    rest, with the down projection as tuning.DOWN_SPLITS fp32 partial products up to tuning.PARTIALS_MAX_TOKENS
+    tokens.
 
     block_out is [T, H], or fp32 partial products of it [T, P, H] (`ops.linear.output_linear`), summed and rounded
     to the streams' dtype as the projection's output would be."""
     if HAS_TRITON and fast_path(streams):
         if (streams.shape[0] <= tuning.HC_DECODE_MAX_TOKENS and hc_triton.supported(streams, hc)
                 and (block_out is None or block_out.dim() == 2)):
-            if block_out is not None:
-                streams = hc_combine(streams, block_out, block_inject)
-            return (streams, *hc_triton.hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank,
-                                                      inject))
+            return hc_triton.hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject,
+                                           block_out, block_inject)
         if hc_triton.prenorm_supported(streams, hc):
             streams, normed = hc_triton.hc_prenorm(streams, norm_weight, eps, hc, block_out, block_inject)
             splits = tuning.DOWN_SPLITS

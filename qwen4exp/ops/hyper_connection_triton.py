@@ -7,15 +7,17 @@ Both GEMMs are matrix-vector products at decode that must stream 6.5 MB of weigh
 hundreds of programs with one (or few) wide loads apiece; a loop of small dependent loads per program is latency
 bound (137 us per call measured for such a loop).
 
-  `_hc_down_kernel`, grid (row blocks, K chunks): normalises one K chunk (normed = x * rstd * (1 + w), rounded to
-      the model dtype as the reference rounds it; the stream's RMS is recomputed from the L2-resident activations)
+  `_hc_down_kernel`, grid (row blocks, K chunks): applies the previous block's pending combine to one K chunk (the
+      first row block stores the combined streams), normalises it (normed = x * rstd * (1 + w), rounded to the
+      model dtype as the reference rounds it; the stream's RMS is recomputed from the L2-resident activations)
       and writes BR partial dot products. The last program of a row block to finish (a per-row-block arrival
       counter) sums the chunks' partials, rounds them as the reference's GEMM output, and writes act = silu(d / S)
       for the R down rows and inject = 2 sigmoid(d / S) for the S inject rows, then re-arms the counter.
   `_hc_up_mix_kernel`, grid (hidden blocks): gate = sigmoid(act @ W_up^T) for all S streams, then
       mixed = mean_s gate * normed.
 
-It wins only at one token (`ops.tuning.HC_DECODE_MAX_TOKENS`).
+Both kernels load their first weight tile before `pdl_start`: weights are written by no kernel, so under PDL that
+read overlaps the kernel before. It wins only at one token (`ops.tuning.HC_DECODE_MAX_TOKENS`).
 
 From two tokens on, `hc_prenorm` is the mix's first pass instead: the pending combine of the previous block (if any)
 and the per-stream RMSNorm in one launch over the streams, which inductor compiles into three kernels (combine,
@@ -27,47 +29,74 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import launch_options, pdl_start, rounding
+from ._triton_utils import launch_options, pdl_start, round_to, rounding
 
 # products held per program (fp32 values): ~64 registers a thread at 4 warps
 _BUDGET = 8192
 
 
 @triton.jit
+def _stream_values(x_ptr, o_ptr, inj_ptr, t, t_ok, cols, stream, H, stride_x, stride_o, stride_i,
+                   COMBINE: tl.constexpr, BF16: tl.constexpr):
+    """The streams' values at columns `cols` of one stream, in fp32: with COMBINE, after the pending combine
+    (x + o * inject_stream, the product rounded to the model dtype, then the sum, as the eager combine rounds)."""
+    m = t_ok[:, None] & (cols < (stream + 1) * H)[None, :]
+    x = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+    x = x.to(tl.float32)
+    if COMBINE:
+        dtype = x_ptr.dtype.element_ty
+        o = tl.load(o_ptr + t[:, None] * stride_o + (cols - stream * H)[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(inj_ptr + t * stride_i + stream, mask=t_ok, other=0.0).to(tl.float32)
+        x = round_to(x + round_to(o * w[:, None], dtype, BF16), dtype, BF16)
+    return x
+
+
+@triton.jit
 def _hc_down_kernel(
-    x_ptr, nw_ptr, w_ptr, part_ptr, count_ptr, rstd_ptr, act_ptr, inj_ptr,
+    x_ptr, o_ptr, inj_in_ptr, new_ptr, nw_ptr, w_ptr, part_ptr, count_ptr, rstd_ptr, act_ptr, inj_ptr,
     T, H, R, NROWS, NCHUNKS, eps,
-    stride_x, stride_w, stride_a, stride_i,
+    stride_x, stride_o, stride_ii, stride_new, stride_w, stride_a, stride_i,
     S: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
-    BS: tl.constexpr, NCP: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr
+    BS: tl.constexpr, NCP: tl.constexpr, COMBINE: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr,
+    PDL: tl.constexpr
 ):
-    pdl_start(PDL)
     rb = tl.program_id(0)
     chunk = tl.program_id(1)
     k_start = chunk * KC
     stream = k_start // H
+    rows = rb * BR + tl.arange(0, BR)
+    r_ok = rows < NROWS
+    kk = tl.arange(0, BK)
+    # the first weight tile before the wait: no kernel writes weights, so under PDL its read overlaps the kernel
+    # before this one
+    w_first = tl.load(w_ptr + rows[:, None] * stride_w + (k_start + kk)[None, :], mask=r_ok[:, None], other=0.0)
+    pdl_start(PDL)
     t = tl.arange(0, BT)
     t_ok = t < T
     ss = tl.zeros((BT,), dtype=tl.float32)
     for k0 in range(0, H, BS):
-        hs = k0 + tl.arange(0, BS)
-        x = tl.load(x_ptr + t[:, None] * stride_x + (stream * H + hs)[None, :],
-                    mask=t_ok[:, None] & (hs < H)[None, :], other=0.0).to(tl.float32)
+        x = _stream_values(x_ptr, o_ptr, inj_in_ptr, t, t_ok, stream * H + k0 + tl.arange(0, BS), stream, H,
+                           stride_x, stride_o, stride_ii, COMBINE, BF16)
         ss += tl.sum(x * x, axis=1)
     rstd = 1.0 / tl.sqrt(ss / H + eps)
     if (rb == 0) & (k_start == stream * H):
         tl.store(rstd_ptr + t * S + stream, rstd, mask=t_ok)
 
-    rows = rb * BR + tl.arange(0, BR)
-    r_ok = rows < NROWS
-    kk = tl.arange(0, BK)
     acc = tl.zeros((BT, BR, BK), dtype=tl.float32)
     for k0 in range(k_start, k_start + KC, BK):
-        x = tl.load(x_ptr + t[:, None] * stride_x + (k0 + kk)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+        if k0 == k_start:
+            w = w_first
+        else:
+            w = tl.load(w_ptr + rows[:, None] * stride_w + (k0 + kk)[None, :], mask=r_ok[:, None], other=0.0)
+        x = _stream_values(x_ptr, o_ptr, inj_in_ptr, t, t_ok, k0 + kk, stream, H, stride_x, stride_o, stride_ii,
+                           COMBINE, BF16)
+        if COMBINE:
+            if rb == 0:  # one row block writes the combined streams
+                tl.store(new_ptr + t[:, None] * stride_new + (k0 + kk)[None, :],
+                         x.to(new_ptr.dtype.element_ty), mask=t_ok[:, None])
         nw = tl.load(nw_ptr + k0 + kk).to(tl.float32)
         normed = (x * rstd[:, None] * (1.0 + nw[None, :]))
         normed = normed.to(x_ptr.dtype.element_ty, fp_downcast_rounding=ROUND).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * stride_w + (k0 + kk)[None, :], mask=r_ok[:, None], other=0.0)
         acc += normed[:, None, :] * w.to(tl.float32)[None, :, :]
     part_rows = part_ptr + t[:, None] * NROWS + rows[None, :]
     tl.store(part_rows + chunk * T * NROWS, tl.sum(acc, axis=2), mask=t_ok[:, None] & r_ok[None, :])
@@ -99,23 +128,28 @@ def _hc_up_mix_kernel(
     S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_start(PDL)
-    dtype = out_ptr.dtype.element_ty
-    t = tl.arange(0, BT)
-    t_ok = t < T
     h = tl.program_id(0) * BH + tl.arange(0, BH)
     h_ok = h < H
     s_idx = tl.arange(0, SP)
     s_ok = s_idx < S
     kk = tl.arange(0, BK)
+    wu_rows = wu_ptr + (s_idx[:, None, None] * H + h[None, :, None]) * stride_wu
+    wu_ok = s_ok[:, None, None] & h_ok[None, :, None]
+    w_first = tl.load(wu_rows + kk[None, None, :], mask=wu_ok & (kk < R)[None, None, :], other=0.0)  # before the wait
+    pdl_start(PDL)
+    dtype = out_ptr.dtype.element_ty
+    t = tl.arange(0, BT)
+    t_ok = t < T
     g = tl.zeros((SP, BT, BH), dtype=tl.float32)
     for k0 in range(0, R, BK):
         k = k0 + kk
         k_ok = k < R
         a = tl.load(act_ptr + t[:, None] * stride_a + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        w = tl.load(wu_ptr + (s_idx[:, None, None] * H + h[None, :, None]) * stride_wu + k[None, None, :],
-                    mask=s_ok[:, None, None] & h_ok[None, :, None] & k_ok[None, None, :], other=0.0)
+        if k0 == 0:
+            w = w_first
+        else:
+            w = tl.load(wu_rows + k[None, None, :], mask=wu_ok & k_ok[None, None, :], other=0.0)
         g += tl.sum(a[None, :, None, :] * w.to(tl.float32)[:, None, :, :], axis=3)
     g = g.to(dtype, fp_downcast_rounding=ROUND).to(tl.float32)
     gate = 1.0 / (1.0 + tl.exp(-g))
@@ -226,8 +260,9 @@ def supported(streams: torch.Tensor, hc: int) -> bool:
 
 
 def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
-                  block_rows: int = 16, chunk: int = 512, block_h: int = 4):
-    """Same contract as `ops.hyper_connection.hc_mix` (dispatched to for `supported` inputs; correct for any T).
+                  block_out=None, block_inject=None, block_rows: int = 16, chunk: int = 512, block_h: int = 4):
+    """Same contract as `ops.hyper_connection.hc_mix` with block_out [T, H] or None (dispatched to for `supported`
+    inputs; correct for any T): returns (streams after the pending combine, block input, injection weights or None).
 
     block_rows x chunk: the W_down_inject tile of one down program (chunk is cut to a power of two dividing the
     stream width); block_h: hidden columns (of every stream) of one up program. Defaults: within noise of the
@@ -237,6 +272,7 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
     H = width // hc
     rows = rank + (hc if inject else 0)
     dtype, dev = streams.dtype, streams.device
+    combine = block_out is not None
     bt = triton.next_power_of_2(T)
     kc = _pow2_divisor(H, triton.next_power_of_2(chunk))
     bk = min(kc, max(16, _BUDGET // (bt * block_rows)))
@@ -247,19 +283,25 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
     act = torch.empty(T, rank, dtype=dtype, device=dev)
     inj = torch.empty(T, hc, dtype=dtype, device=dev)
     out = torch.empty(T, H, dtype=dtype, device=dev)
+    new = torch.empty_like(streams) if combine else streams
     _hc_down_kernel[(row_blocks, n_chunks)](
-        streams, norm_weight, w_down_inject, part, _arrival_counters(dev, row_blocks), rstd, act, inj,
+        streams, block_out if combine else streams, block_inject if combine else streams, new, norm_weight,
+        w_down_inject, part, _arrival_counters(dev, row_blocks), rstd, act, inj,
         T, H, rank, rows, n_chunks, eps,
-        streams.stride(0), w_down_inject.stride(0), act.stride(0), inj.stride(0),
+        streams.stride(0), block_out.stride(0) if combine else 0, block_inject.stride(0) if combine else 0,
+        new.stride(0), w_down_inject.stride(0), act.stride(0), inj.stride(0),
         S=hc, BT=bt, BR=block_rows, KC=kc, BK=bk, BS=min(triton.next_power_of_2(H), max(16, _BUDGET // (2 * bt))),
-        NCP=triton.next_power_of_2(n_chunks), ROUND=rounding(dtype), num_warps=4, **launch_options(streams)
+        NCP=triton.next_power_of_2(n_chunks), COMBINE=combine, BF16=dtype == torch.bfloat16, ROUND=rounding(dtype),
+        num_warps=4,
+        # else the combine's product and sum become one FMA (one rounding where the eager combine has two)
+        enable_fp_fusion=not combine, **launch_options(streams)
     )
     sp = triton.next_power_of_2(hc)
     _hc_up_mix_kernel[(triton.cdiv(H, block_h),)](
-        streams, norm_weight, w_up, act, rstd, out,
+        new, norm_weight, w_up, act, rstd, out,
         T, H, rank,
-        streams.stride(0), w_up.stride(0), act.stride(0), out.stride(0),
+        new.stride(0), w_up.stride(0), act.stride(0), out.stride(0),
         S=hc, SP=sp, BT=bt, BH=block_h, BK=min(triton.next_power_of_2(rank), max(16, _BUDGET // (sp * bt * block_h))),
         ROUND=rounding(dtype), num_warps=4, **launch_options(streams)
     )
-    return out, (inj if inject else None)
+    return new, out, (inj if inject else None)

@@ -21,7 +21,10 @@ hc_mix_decode = on_device(hc_mix_decode)
     # several K chunks per stream and row blocks ending inside the inject rows; partial column blocks
     (2, 192, 40, True, dict(block_rows=8, chunk=64, block_h=32)), (1, 128, 20, False, dict(chunk=32, block_h=8)),
 ])
-def test_matches_reference(dtype, tokens, hidden, rank, inject, tiles):
+@pytest.mark.parametrize("pending", [False, True])
+def test_matches_reference(dtype, tokens, hidden, rank, inject, tiles, pending):
+    """The mix of the streams, with the previous block's output combined into them first when one is pending: the
+    combined streams equal the eager combine's exactly."""
     hc = 4
     g = torch.Generator().manual_seed(tokens + hidden)
     streams = (torch.randn(tokens, hc * hidden, generator=g) * 3).to(dtype)
@@ -31,9 +34,17 @@ def test_matches_reference(dtype, tokens, hidden, rank, inject, tiles):
     w_di = torch.zeros(rows + (-rows) % 8, hc * hidden, dtype=dtype)
     w_di[:rows] = (torch.randn(rows, hc * hidden, generator=g) / (hc * hidden) ** 0.5).to(dtype)
     w_up = (torch.randn(hc * hidden, rank, generator=g) / rank**0.5).to(dtype)
+    block_out = block_inject = None
+    want_streams = streams
+    if pending:
+        block_out = (torch.randn(tokens, hidden, generator=g) * 2).to(dtype)
+        block_inject = (torch.rand(tokens, hc, generator=g) * 2).to(dtype)
+        want_streams = hc_combine.eager(streams, block_out, block_inject)
 
-    mixed, inj = hc_mix_decode(streams, norm_w, w_di, w_up, 1e-6, hc, rank, inject, **tiles)
-    ref_mixed, ref_inj = hc_mix_ref.eager(streams, norm_w, w_di, w_up, 1e-6, hc, rank, inject)
+    new, mixed, inj = hc_mix_decode(streams, norm_w, w_di, w_up, 1e-6, hc, rank, inject, block_out, block_inject,
+                                    **tiles)
+    assert torch.equal(new, want_streams)
+    ref_mixed, ref_inj = hc_mix_ref.eager(want_streams, norm_w, w_di, w_up, 1e-6, hc, rank, inject)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     assert mixed.dtype == dtype and mixed.shape == (tokens, hidden)
     torch.testing.assert_close(mixed, ref_mixed, **tol)
@@ -58,8 +69,8 @@ def test_dispatch_takes_the_decode_kernels_up_to_the_token_threshold(monkeypatch
     w_di, w_up = torch.zeros(24, hc * hidden), torch.zeros(hc * hidden, rank)
     limit = ops.tuning.HC_DECODE_MAX_TOKENS
     for tokens in (limit, limit + 1):
-        hyper_connection.hc_mix(torch.ones(tokens, hc * hidden), torch.zeros(hc * hidden), w_di, w_up, 1e-6, hc, rank,
-                                True)
+        on_device(hyper_connection.hc_mix)(torch.ones(tokens, hc * hidden), torch.zeros(hc * hidden), w_di, w_up, 1e-6,
+                                           hc, rank, True)
     assert calls == [limit]
     assert supported(torch.zeros(1, 4 * 64), 4)
     assert not supported(torch.zeros(1, 4 * 60), 4)  # blocks of 60 / 2^k < 16 would straddle streams
@@ -77,7 +88,7 @@ def test_repeated_calls_rearm_the_arrival_counters():
     w_up = torch.randn(hc * hidden, rank, generator=g) / rank**0.5
     for _ in range(3):
         streams = torch.randn(2, hc * hidden, generator=g)
-        mixed, inj = hc_mix_decode(streams, norm_w, w_di, w_up, 1e-6, hc, rank, True, block_rows=8, chunk=32)
+        _, mixed, inj = hc_mix_decode(streams, norm_w, w_di, w_up, 1e-6, hc, rank, True, block_rows=8, chunk=32)
         ref_mixed, ref_inj = hc_mix_ref.eager(streams, norm_w, w_di, w_up, 1e-6, hc, rank, True)
         torch.testing.assert_close(mixed, ref_mixed, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(inj, ref_inj, rtol=1e-5, atol=1e-5)
