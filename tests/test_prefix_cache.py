@@ -9,7 +9,7 @@ import pytest
 
 from qwen4exp import LLM, SamplingParams
 from qwen4exp.config import EngineConfig
-from qwen4exp.engine.prefix_cache import PrefixCache, page_keys
+from qwen4exp.engine.prefix_cache import ROOT_KEY, PrefixCache, page_keys, salt_key
 from qwen4exp.weights.random_checkpoint import make_random
 
 PAGE = 8
@@ -60,6 +60,9 @@ def test_page_keys_name_the_whole_prefix():
     assert not set(changed) & set(a)  # a change in page 0 renames every later page
     assert page_keys(list(range(40)), PAGE, 5, extra_keys=[b"", b"", b"image", b"", b""])[:2] == a[:2]
     assert page_keys(list(range(40)), PAGE, 5, extra_keys=[b"", b"", b"image", b"", b""])[2] != a[2]
+    salted = page_keys(list(range(40)), PAGE, 5, parent=salt_key("a"))
+    assert salt_key(None) == ROOT_KEY and not set(salted) & set(a)  # a salt renames every page
+    assert not set(salted) & set(page_keys(list(range(40)), PAGE, 5, parent=salt_key("b")))
 
 
 def test_shared_pages_are_evicted_least_recently_used_first_with_their_checkpoints():
@@ -212,6 +215,23 @@ def test_preemption_and_eviction_in_a_small_cache(tiny_dir, async_scheduling):
     assert_released(llm)
 
 
+def test_cache_salt_shares_pages_only_between_prompts_with_the_same_salt(tiny_dir):
+    """vLLM's `cache_salt` in a prompt: a salted prompt finds only pages cached by prompts of the same salt, and an
+    unsalted one none of theirs; the outputs are those without a cache."""
+    prompt = list(range(3, 40))
+    llm = make_llm(tiny_dir, True)
+    (want,) = make_llm(tiny_dir, False).generate([{"prompt_token_ids": prompt}], greedy(), use_tqdm=False)
+    order = [None, "a", "a", "b", None, "b"]
+    got = [llm.generate([{"prompt_token_ids": prompt} | ({"cache_salt": s} if s else {})], greedy(),
+                        use_tqdm=False)[0] for s in order]
+    assert [o.num_cached_tokens for o in got] == [0, 0, 32, 0, 32, 32]
+    assert_same(got, [want] * len(got))
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate([{"prompt_token_ids": prompt, "cache_salt": bad}], greedy(), use_tqdm=False)
+    assert_released(llm)
+
+
 def test_option_and_flags(tiny_dir):
     import argparse
 
@@ -243,6 +263,10 @@ def test_cached_tokens_in_the_api_usage_with_prompt_tokens_details(tiny_dir):
             first = c.post("/v1/completions", json=body).json()["usage"]
             again = c.post("/v1/completions", json=body).json()["usage"]
             chat = c.post("/v1/completions", json={**body, "prompt": prompt + [50, 51]}).json()["usage"]
+            salted = [c.post("/v1/completions", json={**body, "cache_salt": s}).json()["usage"] for s in "aab"]
+            messages = {"model": "m", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 2,
+                        "cache_salt": "c"}
+            chats = [c.post("/v1/chat/completions", json=messages).json()["usage"] for _ in range(2)]
         with TestClient(build_app(async_engine, "m")) as c:  # vLLM's default: no details
             plain = c.post("/v1/completions", json=body).json()["usage"]
     finally:
@@ -250,4 +274,7 @@ def test_cached_tokens_in_the_api_usage_with_prompt_tokens_details(tiny_dir):
     assert "prompt_tokens_details" not in first  # nothing cached yet
     assert again["prompt_tokens_details"] == {"cached_tokens": 32} and again["prompt_tokens"] == 37
     assert chat["prompt_tokens_details"] == {"cached_tokens": 32}
+    # a salt keeps a prompt's pages apart from every prompt without that salt
+    assert [u.get("prompt_tokens_details") for u in salted] == [None, {"cached_tokens": 32}, None]
+    assert "prompt_tokens_details" not in chats[0] and chats[1]["prompt_tokens_details"]["cached_tokens"] > 0
     assert "prompt_tokens_details" not in plain

@@ -192,6 +192,9 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
         text, ids = self._tokenize_prompt(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
         mm = self._multimodal(prompt, ids) if isinstance(prompt, dict) else None
         if mm is not None:
             ids = mm[0]
@@ -232,7 +235,7 @@ class LLMEngine:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, list(ids), params, index=i, parent_id=request_id, prompt=text,
-                          arrival_time=now, max_tokens=max_tokens)
+                          arrival_time=now, max_tokens=max_tokens, cache_salt=salt)
             if mm is not None:  # each sequence consumes the features on its own schedule
                 req.mm = dataclasses.replace(mm[1], features={})
             if grammar is not None:

@@ -3,8 +3,9 @@ reference counts, least recently used eviction of the unreferenced ones, and sta
 
 A full page's key is sha256(parent page's key, its token ids, its extra keys), so one key names the whole prefix up
 to the page's end; `extra_keys` is where anything else that changes a page's content (an image's hash) joins the
-chain. A page gets its key when a checkpoint after it is saved (requests scheduled from the next step on find it),
-and keeps it (and stays findable) after the requests that hold it finish, until it is evicted for a new page.
+chain. The first page's parent comes from the prompt's `cache_salt` (`salt_key`), which so renames all its pages.
+A page gets its key when a checkpoint after it is saved (requests scheduled from the next step on find it), and
+keeps it (and stays findable) after the requests that hold it finish, until it is evicted for a new page.
 
 The hybrid model's GDN recurrent and conv states and PLE conv windows cannot be rebuilt from the pages (QSA's raw
 and compressed indexer keys live in the pages, a block never straddling one, and the n-gram context comes from the
@@ -30,6 +31,12 @@ from array import array
 from collections import OrderedDict
 
 ROOT_KEY = b""
+
+
+def salt_key(salt: str | None) -> bytes:
+    """The parent key of a prompt's first page: a salted prompt's pages (vLLM's `cache_salt`) are named apart from
+    every prompt without that salt, so a client cannot learn from timing whether another's prompt was cached."""
+    return ROOT_KEY if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
 
 def page_keys(token_ids: list[int], page_size: int, num_pages: int, extra_keys: list[bytes] | None = None,

@@ -261,8 +261,10 @@ class Request:
     # (multimodal.MultiModalState)
     mm: Any = None
     max_tokens: int = 16  # resolved against max_model_len at admission
-    # prefix caching (engine/prefix_cache.py): the keys of the prompt's full pages, the page
-    # boundaries still to save a checkpoint at (ascending), and the prompt tokens found cached at first admission
+    # prefix caching (engine/prefix_cache.py): the prompt's salt (only requests with the same salt share pages), the
+    # keys of its full pages, the page boundaries still to save a checkpoint at (ascending), and the prompt tokens
+    # found cached at first admission
+    cache_salt: str | None = None
     page_keys: list[bytes] | None = None
     checkpoint_positions: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0

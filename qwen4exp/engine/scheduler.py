@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..config import EngineConfig
 from .cache import CacheAllocator
-from .prefix_cache import page_keys
+from .prefix_cache import page_keys, salt_key
 from .request import Request, RequestStatus
 
 
@@ -151,7 +151,7 @@ class Scheduler:
             # image tokens share one id: a page holding (part of) an image is named by the image's content too
             extra = (None if req.mm is None else
                      ["".join(req.mm.extra_keys(i * ps, (i + 1) * ps)).encode() for i in range(n)])
-            req.page_keys = page_keys(req.prompt_token_ids, ps, n, extra)
+            req.page_keys = page_keys(req.prompt_token_ids, ps, n, extra, salt_key(req.cache_salt))
         keys = req.page_keys
         usable = keys[:(req.num_prompt_tokens - 1) // ps]
         matched, resumable = (0, 0) if req.params.prompt_logprobs is not None else self.prefix.lookup(usable)

@@ -5,7 +5,7 @@ Requests are validated strictly: a boolean, an integer or a token id must arrive
 "yes"` or `[[false, true]]` as token ids are 400s, not coerced). Every check that an input can fail raises
 RequestError (a ValueError) whose `param` names the offending field, so the server can answer 400. Every field
 vLLM 0.33 accepts is a field here: it works, or it has no effect on what a single engine generates (user, metadata,
-cache_salt...), or a value other than its default is refused with a 400 that says why (`UNSUPPORTED`). Fields
+session_id...), or a value other than its default is refused with a 400 that says why (`UNSUPPORTED`). Fields
 vLLM does not know either have no effect and are logged once by name. Responses are plain dicts built by the
 serving modules; their models here only document them.
 """
@@ -251,7 +251,9 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     structural_tag: str | None = None  # refused
 
 
-_NO_MULTIMODAL = "the model reads text only"
+_TEXT_OUT = "the model writes text only"
+_NO_MEDIA_OPTIONS = ("per-request media and processor options are not supported (images are prepared as the "
+                     "checkpoint's preprocessor_config.json says)")
 _NO_RENDER = "it applies to vLLM's /render endpoints, which this server does not have"
 # vLLM request fields that this server cannot honour, with the reason a value other than the default is refused
 _UNSUPPORTED_SAMPLING = {
@@ -317,7 +319,8 @@ class _SamplingRequest(RequestModel):
                                           "gives one.")
     session_id: str | None = Field(None, description="Accepted; has no effect on the output.")
     cache_salt: str | None = Field(
-        None, description="Accepted (checked as vLLM does); the server has no prefix cache to salt.")
+        None, description="Prefix caching shares cached pages only between prompts with the same salt (checked as vLLM "
+                          "does).")
     priority: Int64 = 0
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -508,9 +511,9 @@ class CompletionRequest(_SamplingRequest):
 
 _UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_SAMPLING,
-    "mm_processor_kwargs": _NO_MULTIMODAL,
-    "media_io_kwargs": _NO_MULTIMODAL,
-    "audio": "audio output is not available: " + _NO_MULTIMODAL,
+    "mm_processor_kwargs": _NO_MEDIA_OPTIONS,
+    "media_io_kwargs": _NO_MEDIA_OPTIONS,
+    "audio": "audio output is not available: " + _TEXT_OUT,
     "web_search_options": "web search is not available",
     "verbosity": "the model has no verbosity setting",
     "reasoning_effort": "Qwen3 templates take no effort level; chat_template_kwargs {\"enable_thinking\": false} turns "
@@ -595,7 +598,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise RequestError("continue_final_message: cannot be used with add_generation_prompt true",
                                "continue_final_message")
         if self.modalities is not None and any(m != "text" for m in self.modalities):
-            raise RequestError(f"modalities: not supported: {self.modalities}: {_NO_MULTIMODAL}", "modalities")
+            raise RequestError(f"modalities: not supported: {self.modalities}: {_TEXT_OUT}", "modalities")
         return self
 
     @property

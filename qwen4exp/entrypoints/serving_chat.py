@@ -97,7 +97,7 @@ class ServingChat(OpenAIServing):
         if params.bad_words:
             params.bad_words_token_ids = await self.bad_words_ids(params.bad_words)
         request_id, created = self.response_id("chatcmpl", raw, req.request_id), int(time.time())
-        streams = await self.add_all([prompt], params, _FIELDS)
+        streams = await self.add_all([prompt], params, _FIELDS, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": self.served_model_name}
         echo = self.fmt.chat_echo(req)
         as_ids = req.tokens_as_ids(self.return_tokens_as_token_ids)

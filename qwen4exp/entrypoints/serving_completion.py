@@ -36,7 +36,7 @@ class ServingCompletion(OpenAIServing):
         if params.bad_words:
             params.bad_words_token_ids = await self.bad_words_ids(params.bad_words)
         request_id, created = self.response_id("cmpl", raw, req.request_id), int(time.time())
-        streams = await self.add_all(inputs, params, _FIELDS)
+        streams = await self.add_all(inputs, params, _FIELDS, req.cache_salt)
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.served_model_name}
         as_ids = req.tokens_as_ids(self.return_tokens_as_token_ids)
         if req.stream:

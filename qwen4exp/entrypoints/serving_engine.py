@@ -304,7 +304,11 @@ class OpenAIServing:
             raise APIError(400, str(e), e.field) from None
 
     # ----- engine requests -----
-    async def add_all(self, prompts: list, params, fields: set[str]) -> list[RequestStream]:
+    async def add_all(self, prompts: list, params, fields: set[str], cache_salt: str | None = None
+                      ) -> list[RequestStream]:
+        if cache_salt is not None:  # the engine reads it from the prompt, as vLLM's prompt dicts carry it
+            prompts = [dict(p, cache_salt=cache_salt) if isinstance(p, dict)
+                       else {"prompt_token_ids": p, "cache_salt": cache_salt} for p in prompts]
         seats, limit = self.engine.config.max_num_seqs, self.engine.max_queued_requests
         if limit is not None and len(prompts) > 1 and len(prompts) * params.n > seats + limit:
             # like a too large n (the engine's check): retrying cannot help, so a client error, not an overload
