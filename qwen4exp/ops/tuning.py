@@ -40,14 +40,6 @@ DOWN_SPLITS = 16
 # instead of the tensor-core kernel. Assumed 1: the GEMV's work grows with the tokens on CUDA cores (its 4D
 # accumulator doubles at 2), as the bf16 GEMV's did, which lost to cuBLAS from 2 tokens.
 FP8_GEMV_MAX_TOKENS = 1
-# ... except projections of at most GEMV_SMALL_WEIGHT elements (flash-next's smallest, [1416, 2560], has 3.6M), which
-# the GEMV runs ahead of cuBLAS's fixed cost up to GEMV_SMALL_MAX_TOKENS tokens. One H100, the `small` preset
-# (`bench_linear.py --preset small`), us a call GEMV / cuBLAS at 2 tokens: out_proj [512, 512] 2.00 / 3.48, router +
-# shared expert [792, 512] 2.27 / 3.70, GDN in_proj [1552, 512] 2.88 / 3.64, attention q/k/v + indexer [1600, 512]
-# 5.01 / 5.16; at 4 tokens 2.16 / 3.54, 2.32 / 3.67, 2.86 / 3.70, 6.58 / 6.83. A speculative step's verification
-# (2 tokens a request at k = 1) runs its projections at these sizes.
-GEMV_SMALL_WEIGHT = 1 << 21
-GEMV_SMALL_MAX_TOKENS = 4
 # Tokens up to which the tensor-core kernel (fp8_triton.gemm) quantizes x itself (one launch) instead of reading it
 # from a quantization launch. Assumed 16: every column tile repeats the quantization of all its rows (~10 ALU
 # instructions an element), which a 16-row tile hides behind its weight loads but a 64-row tile does not.
