@@ -47,9 +47,10 @@ def main(bench):
         if tokens <= 16:  # the decode kernels' cost grows with the tokens: they are for one
             variants.append(Variant("decode kernels", with_tuning(op, HC_DECODE_MAX_TOKENS=NEVER)))
         variants += [
-            Variant("norm pass + GEMM", with_tuning(op, HC_DECODE_MAX_TOKENS=0, PARTIALS_MAX_TOKENS=0)),
+            Variant("norm pass + GEMM", with_tuning(op, HC_DECODE_MAX_TOKENS=0, HC_DECODE_SMALL_MAX_TOKENS=0,
+                                                       PARTIALS_MAX_TOKENS=0)),
             Variant(f"norm pass + {tuning.DOWN_SPLITS} partials",
-                    with_tuning(op, HC_DECODE_MAX_TOKENS=0, PARTIALS_MAX_TOKENS=NEVER)),
+                    with_tuning(op, HC_DECODE_MAX_TOKENS=0, HC_DECODE_SMALL_MAX_TOKENS=0, PARTIALS_MAX_TOKENS=NEVER)),
         ]
         bench.measure(case, tokens, variants, calls=calls if tokens <= 512 else 8)
 

@@ -13,12 +13,19 @@ if HAS_TRITON:
     from . import hyper_connection_triton as hc_triton
 
 
+def decode_max_tokens(width: int) -> int:
+    """Tokens up to which a mix of `width` stream columns runs as the two decode launches on the GPU (ops/tuning.py)."""
+    if width <= tuning.HC_DECODE_SMALL_WIDTH:
+        return max(tuning.HC_DECODE_MAX_TOKENS, tuning.HC_DECODE_SMALL_MAX_TOKENS)
+    return tuning.HC_DECODE_MAX_TOKENS
+
+
 def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
            block_out=None, block_inject=None):
     """The pending combine of the previous block's output (when block_out is given), then the mix:
     returns (streams, block input [T, H], injection weights [T, hc] or None without `inject`).
 
-    GPU dispatch: up to tuning.HC_DECODE_MAX_TOKENS tokens two Triton launches, the combine in the first (batch-1
+    GPU dispatch: up to `decode_max_tokens` tokens two Triton launches, the combine in the first (batch-1
     decode); more tokens one Triton pass for the combine and the norm (`hc_prenorm`) and inductor's fusion of the
     rest, with the down projection as tuning.DOWN_SPLITS fp32 partial products up to tuning.PARTIALS_MAX_TOKENS
     tokens.
@@ -26,7 +33,7 @@ def hc_mix(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank:
     block_out is [T, H], or fp32 partial products of it [T, P, H] (`ops.linear.output_linear`), summed and rounded
     to the streams' dtype as the projection's output would be."""
     if HAS_TRITON and fast_path(streams):
-        if (streams.shape[0] <= tuning.HC_DECODE_MAX_TOKENS and hc_triton.supported(streams, hc)
+        if (streams.shape[0] <= decode_max_tokens(streams.shape[1]) and hc_triton.supported(streams, hc)
                 and (block_out is None or block_out.dim() == 2)):
             return hc_triton.hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps, hc, rank, inject,
                                            block_out, block_inject)

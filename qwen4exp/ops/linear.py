@@ -60,10 +60,12 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
 def output_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for a block's output projection, read only by the next hyper-connection mix's combine
-    (`ops.hyper_connection.hc_mix`, which takes either form): [T, N] in x's dtype, or on the GPU at 2 to
-    tuning.PARTIALS_MAX_TOKENS tokens the product as tuning.OUTPUT_SPLITS fp32 partial products [T, splits, N]."""
+    (`ops.hyper_connection.hc_mix`, which takes either form): [T, N] in x's dtype, or on the GPU from 2 tokens past
+    the GEMV's reach (`gemv_max_tokens`) to tuning.PARTIALS_MAX_TOKENS the product as tuning.OUTPUT_SPLITS fp32 partial
+    products [T, splits, N]."""
     splits = tuning.OUTPUT_SPLITS
-    if (bias is None and weight.dtype != fp8.FP8 and fast_path(x) and 1 < x.shape[0] <= tuning.PARTIALS_MAX_TOKENS
+    if (bias is None and weight.dtype != fp8.FP8 and fast_path(x)
+            and max(1, gemv_max_tokens(weight)) < x.shape[0] <= tuning.PARTIALS_MAX_TOKENS
             and x.is_contiguous() and x.shape[1] % splits == 0):
         return partial_products(x, weight, splits)
     return linear(x, weight, bias, scale)

@@ -54,9 +54,11 @@ def test_matches_reference(dtype, tokens, hidden, rank, inject, tiles, pending):
         assert inj is None
 
 
-def test_dispatch_takes_the_decode_kernels_up_to_the_token_threshold(monkeypatch):
-    """hc_mix runs the two decode launches up to tuning.HC_DECODE_MAX_TOKENS tokens and the norm pass beyond it; a
-    stream width whose blocks would straddle streams never takes the decode kernels."""
+@pytest.mark.parametrize("small_width", [False, True])
+def test_dispatch_takes_the_decode_kernels_up_to_the_token_threshold(monkeypatch, small_width):
+    """hc_mix runs the two decode launches up to tuning.HC_DECODE_MAX_TOKENS tokens (HC_DECODE_SMALL_MAX_TOKENS for
+    streams of at most HC_DECODE_SMALL_WIDTH columns) and the norm pass beyond it; a stream width whose blocks would
+    straddle streams never takes the decode kernels."""
     from qwen4exp import ops
     from qwen4exp.ops import hyper_connection, hyper_connection_triton
 
@@ -67,7 +69,9 @@ def test_dispatch_takes_the_decode_kernels_up_to_the_token_threshold(monkeypatch
                         real(*a, **k))
     hc, hidden, rank = 4, 64, 16
     w_di, w_up = torch.zeros(24, hc * hidden), torch.zeros(hc * hidden, rank)
-    limit = ops.tuning.HC_DECODE_MAX_TOKENS
+    if not small_width:
+        monkeypatch.setattr(ops.tuning, "HC_DECODE_SMALL_WIDTH", hc * hidden - 1)
+    limit = ops.tuning.HC_DECODE_SMALL_MAX_TOKENS if small_width else ops.tuning.HC_DECODE_MAX_TOKENS
     for tokens in (limit, limit + 1):
         on_device(hyper_connection.hc_mix)(torch.ones(tokens, hc * hidden), torch.zeros(hc * hidden), w_di, w_up, 1e-6,
                                            hc, rank, True)

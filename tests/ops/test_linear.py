@@ -127,6 +127,26 @@ def test_dispatch_on_the_fast_path(monkeypatch, small_weight):
     assert calls == [1, limit]
 
 
+@pytest.mark.parametrize("small_weight", [True, False])
+def test_output_linear_gives_partials_past_the_gemv(monkeypatch, small_weight):
+    """A block's output projection on the fast path: the GEMV's [T, N] while it reaches (small weights up to
+    tuning.GEMV_SMALL_MAX_TOKENS, so that the next mix can take its decode kernels), then tuning.OUTPUT_SPLITS fp32
+    partial products summing to the product."""
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    if not small_weight:
+        monkeypatch.setattr(ops.tuning, "GEMV_SMALL_WEIGHT", 511)
+    limit = ops.tuning.GEMV_SMALL_MAX_TOKENS if small_weight else MAX_TOKENS
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 32, generator=g).to(dev)
+    for tokens in (1, 2, limit, limit + 1):
+        x = torch.randn(tokens, 32, generator=g).to(dev)
+        y = linear_ops.output_linear(x, w)
+        partials = tokens > limit
+        assert y.dim() == (3 if partials else 2)
+        torch.testing.assert_close(y.sum(1) if partials else y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_fp32_out_linear_keeps_the_accumulator(tokens):
     """The logits GEMM: bf16 operands, the fp32 result not rounded to bf16; the reference (widening a few weight rows
