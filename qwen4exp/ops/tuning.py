@@ -55,10 +55,11 @@ FP8_CUBLAS_MIN_TOKENS = 1024
 # compiled form: 1 token 11.1 / 14.6 us a call, 2 tokens 17.7 / 14.8.
 HC_DECODE_MAX_TOKENS = 1
 # ... except mixes of at most HC_DECODE_SMALL_WIDTH stream columns (the `small` preset's 4 x 512 = 2048; flash-next's
-# are 10240), whose two launches run ahead of the norm pass's five at launch latency up to HC_DECODE_SMALL_MAX_TOKENS
-# tokens (a speculative step's verification runs 2 tokens a request at k = 1).
+# are 10240), whose two launches run ahead of the norm pass's five up to HC_DECODE_SMALL_MAX_TOKENS tokens (a
+# speculative step's verification runs 2 tokens a request at k = 1). One H100, `bench_hyper_connection.py --preset
+# small`, us a combine + mix, decode kernels / norm pass + partials: 2 tokens 7.32 / 7.89, 4 tokens 10.49 / 7.93.
 HC_DECODE_SMALL_WIDTH = 4096
-HC_DECODE_SMALL_MAX_TOKENS = 4
+HC_DECODE_SMALL_MAX_TOKENS = 2
 
 # ---- norms (ops.norm) ----
 
