@@ -24,8 +24,9 @@ def causal_conv1d_ref(
 
     Request r owns rows query_start_loc[r]:query_start_loc[r+1] and state row state_slots[r], which holds its last L
     inputs (zeros for a new request, whatever the slot held before). Returns act(conv) [T, C] and writes each
-    request's new last-L inputs back into its slot. token_slots [T] (speculative verification): where
-    token_slots[t] >= 0, the state after row t (the last L inputs up to it) is also written into that slot.
+    request's new last-L inputs back into its slot. token_slots [T] (speculative verification): for a request whose
+    first row has a token slot (a verified one), the state after each of its rows but the last (the last L inputs
+    up to it) is also written into that row's slot where it is >= 0; other requests' rows store nothing.
     """
     out = torch.empty_like(x)
     state_len = conv_state.shape[-1]
@@ -40,8 +41,8 @@ def causal_conv1d_ref(
         if activation == "silu":
             y = F.silu(y)
         out[start:end] = y.t().to(x.dtype)
-        if token_slots is not None:
-            for t in range(start, end):
+        if token_slots is not None and token_slots[start] >= 0:
+            for t in range(start, end - 1):
                 if token_slots[t] >= 0:
                     conv_state[token_slots[t]] = window[:, t - start + 1: t - start + 1 + state_len]
         conv_state[slot] = window[:, -state_len:]
@@ -51,8 +52,8 @@ def causal_conv1d_ref(
 def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: str | None = "silu",
                   split: tuple[int, int, int] | None = None):
     """Step-level dispatch. GPU: a step of one-token requests takes the fused update kernel (graph capturable),
-    any other step the varlen kernel over the whole flat batch, after the states of verified rows
-    (`meta.state_token_slots`) are stored. CPU: the reference.
+    any other step the varlen kernel over the whole flat batch, which also stores the states of verified rows
+    (`meta.state_token_slots`). CPU: the reference.
 
     split: return the output's three channel parts of these widths (GDN's q, k, v), which the varlen kernel writes
     as contiguous tensors."""
@@ -60,15 +61,10 @@ def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: st
         out = causal_conv1d_ref(x, weight, conv_state, meta.query_start_loc_cpu, meta.state_slots_cpu,
                                 meta.has_initial_state, dilation, activation, meta.state_token_slots_cpu)
         return out if split is None else out.split(list(split), -1)
-    if meta.state_token_slots is not None:  # before the varlen kernel overwrites the states they start from
-        # verified requests follow the decodes: rows past theirs store nothing (a CUDA graph covers every row)
-        rows = (meta.num_tokens if meta.in_cuda_graph
-                else meta.query_start_loc_cpu[meta.num_decode_reqs + meta.num_verify_reqs])
-        conv_triton.store_token_states(x[:rows], conv_state, meta.state_token_slots, meta.token_req,
-                                       meta.token_local, meta.state_slots, meta.has_initial)
-    if meta.num_decode_reqs == meta.num_reqs:
+    if meta.num_decode_reqs == meta.num_reqs:  # no verified request: those bring more than one token
         out = conv_triton.causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation,
                                                activation)
         return out if split is None else out.split(list(split), -1)
     return conv_triton.causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.state_slots,
-                                            meta.has_initial, dilation, activation, split=split)
+                                            meta.has_initial, dilation, activation, split=split,
+                                            token_slots=meta.state_token_slots)

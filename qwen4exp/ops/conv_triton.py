@@ -138,72 +138,6 @@ def causal_conv1d_update(
     return out
 
 
-# ----- speculative verification: the state after every verified row, into its own slot -----
-
-@triton.jit
-def _token_states_kernel(
-    x_ptr, state_ptr, token_slots_ptr, token_req_ptr, token_local_ptr, slots_ptr, has_init_ptr,
-    C,
-    stride_xt, stride_xc, stride_ss, stride_sc, stride_sl,
-    LST: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr
-):
-    pdl_start(PDL)
-    t = tl.program_id(1).to(tl.int64)
-    offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
-    offs_p = tl.arange(0, LP)
-    out_slot = tl.load(token_slots_ptr + t)
-    r = tl.load(token_req_ptr + t)
-    j = tl.load(token_local_ptr + t)  # the row's index among its request's rows
-    slot = tl.load(slots_ptr + r)
-    init = tl.load(has_init_ptr + r).to(tl.int32)
-    zero = tl.zeros([BC, LP], dtype=tl.int32)
-    # scalar conditions as full-shape masks (the interpreter rejects scalar & tile)
-    store = ((zero + out_slot) >= 0) & (offs_c < C)[:, None] & (offs_p < LST)[None, :]
-    # state position p after row t is position j + 1 + p of [old state (LST), the request's inputs]
-    pos = j + 1 + offs_p
-    in_state = pos < LST
-    old = tl.load(state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
-                  + tl.minimum(pos, LST - 1)[None, :] * stride_sl,
-                  mask=store & in_state[None, :] & ((zero + init) != 0), other=0.0)
-    row = t + 1 + offs_p - LST  # the input row at position pos, where pos >= LST
-    xv = tl.load(x_ptr + tl.maximum(row, 0)[None, :] * stride_xt + offs_c[:, None] * stride_xc,
-                 mask=store & ~in_state[None, :], other=0.0)
-    new = tl.where(in_state[None, :], old, xv.to(state_ptr.dtype.element_ty))
-    tl.store(state_ptr + tl.maximum(out_slot, 0) * stride_ss + offs_c[:, None] * stride_sc
-             + offs_p[None, :] * stride_sl, new, mask=store)
-
-
-def store_token_states(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    token_slots: torch.Tensor,
-    token_req: torch.Tensor,
-    token_local: torch.Tensor,
-    state_slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    block_c: int = 64,
-) -> None:
-    """For every row t of x [T, C] with token_slots[t] >= 0: writes into conv_state[token_slots[t]] the state after
-    row t, the last L inputs up to it (`ops.conv.causal_conv1d_ref`'s token_slots), from the state its request
-    starts from (conv_state[state_slots[token_req[t]]], zeros without an initial state) and the request's rows up to
-    t (token_local[t] is t's index among them). Must run before the step's update of the slots it reads; the slots
-    it writes are none of those."""
-    total, channels = x.shape
-    state_len = conv_state.shape[-1]
-    assert conv_state.shape[1] == channels and token_slots.shape[0] >= total
-    if total == 0:
-        return
-    lp = triton.next_power_of_2(state_len)
-    bc = min(block_c, triton.next_power_of_2(channels))
-    has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
-    _token_states_kernel[(triton.cdiv(channels, bc), total)](
-        x, conv_state, token_slots, token_req, token_local, state_slots, has_init,
-        channels,
-        x.stride(0), x.stride(1), *conv_state.stride(),
-        LST=state_len, LP=lp, BC=bc, num_warps=2, **launch_options(x)
-    )
-
-
 # ----- prefill: any number of requests of any length in one flat batch -----
 
 @triton.jit
@@ -252,16 +186,31 @@ def _conv1d_varlen_out_kernel(
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _state_after(state_ptr, base, x_ptr, start, m, offs_p, offs_c, c_p_ok, init2d, stride_sl, stride_xt, stride_xc,
+                 LST: tl.constexpr):
+    """A request's state after its first m rows, in the state's dtype [BC, LP]: position p is position m + p of
+    the window [old state (LST), the request's inputs]."""
+    pos = m + offs_p
+    in_state = pos < LST
+    old = tl.load(base[:, None] + tl.minimum(pos, LST - 1)[None, :] * stride_sl,
+                  mask=c_p_ok & in_state[None, :] & init2d, other=0.0)
+    xv = tl.load(x_ptr + (start + tl.maximum(pos - LST, 0))[None, :] * stride_xt + offs_c[:, None] * stride_xc,
+                 mask=c_p_ok & ~in_state[None, :], other=0.0)
+    return tl.where(in_state[None, :], old, xv.to(state_ptr.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["T"])
 def _conv1d_varlen_head_kernel(
-    x_ptr, w_ptr, state_ptr, qsl_ptr, slots_ptr, has_init_ptr, out_ptr,
+    x_ptr, w_ptr, state_ptr, qsl_ptr, slots_ptr, has_init_ptr, token_slots_ptr, out_ptr,
     T, C,
     stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
     K: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
-    SILU: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, PDL: tl.constexpr
+    SILU: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, TOKEN_STATES: tl.constexpr, PDL: tl.constexpr
 ):
-    """Per request and channel tile: its first LST output rows, which reach back into its state, then the state's
-    update to its last LST inputs (the state is read before it is overwritten, in one program)."""
+    """Per request and channel tile: its first LST output rows, which reach back into its state, with TOKEN_STATES
+    the state after each of a verified request's rows into that row's token slot, then the state's update to its
+    last LST inputs (the state is read before it is overwritten, in one program)."""
     pdl_start(PDL)
     r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -298,16 +247,21 @@ def _conv1d_varlen_head_kernel(
     p_ok = offs_p < LST
     zero = tl.zeros([BC, LP], dtype=tl.int32)
     init2d = (zero + init) != 0
-    pos = n + offs_p  # new state position p = position n + p of the window [old state (LST), inputs (n)]
-    in_state = pos < LST
-    base2d = base[:, None]
-    old = tl.load(base2d + tl.minimum(pos, LST - 1)[None, :] * stride_sl,
-                  mask=c_ok[:, None] & (p_ok & in_state)[None, :] & init2d, other=0.0)
-    xv = tl.load(x_ptr + (start + tl.maximum(pos - LST, 0))[None, :] * stride_xt + offs_c[:, None] * stride_xc,
-                 mask=c_ok[:, None] & (p_ok & ~in_state)[None, :], other=0.0)
-    new = tl.where(in_state[None, :], old, xv.to(state_ptr.dtype.element_ty))
+    c_p_ok = c_ok[:, None] & p_ok[None, :]
+    if TOKEN_STATES:
+        # a verified request (its first row has a token slot): the state after each row but its last, into the
+        # row's slot; no request owns those slots, so they are written before the barrier
+        if tl.load(token_slots_ptr + start) >= 0:
+            for t in range(0, n - 1):
+                out_slot = tl.load(token_slots_ptr + start + t)
+                after = _state_after(state_ptr, base, x_ptr, start, t + 1, offs_p, offs_c, c_p_ok, init2d,
+                                     stride_sl, stride_xt, stride_xc, LST)
+                tl.store(state_ptr + tl.maximum(out_slot, 0) * stride_ss + offs_c[:, None] * stride_sc
+                         + offs_p[None, :] * stride_sl, after, mask=c_p_ok & ((zero + out_slot) >= 0))
+    new = _state_after(state_ptr, base, x_ptr, start, n, offs_p, offs_c, c_p_ok, init2d, stride_sl, stride_xt,
+                       stride_xc, LST)
     tl.debug_barrier()  # the shift moves values between positions that other threads may still be reading
-    tl.store(base2d + offs_p[None, :] * stride_sl, new, mask=c_ok[:, None] & p_ok[None, :])
+    tl.store(base[:, None] + offs_p[None, :] * stride_sl, new, mask=c_p_ok)
 
 
 def causal_conv1d_varlen(
@@ -323,10 +277,12 @@ def causal_conv1d_varlen(
     block_c: int = 128,
     num_warps: int = 4,
     split: tuple[int, int, int] | None = None,
+    token_slots: torch.Tensor | None = None,
 ):
     """`ops.conv.causal_conv1d_ref`'s contract for a whole flat batch in two launches: x [T, C]; request r owns rows
     query_start_loc[r]:query_start_loc[r+1] (consecutive, covering all T rows) and state row state_slots[r].
-    Outputs are accumulated in fp32; the states are updated in place.
+    Outputs are accumulated in fp32; the states are updated in place. token_slots [>= T] (speculative
+    verification): the reference's rule, in the head kernel.
 
     split: channel widths of three parts (GDN's q, k, v), returned as three contiguous [T, width] tensors, where
     `out.split(split, -1)` would give strided views that fla's kernels copy (~200 us per layer at 8k tokens)."""
@@ -360,12 +316,15 @@ def causal_conv1d_varlen(
     has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     lp = triton.next_power_of_2(state_len)
     bch = min(triton.next_power_of_2(channels), max(16, 2048 // lp))
+    if token_slots is not None:
+        assert token_slots.shape[0] >= total
     _conv1d_varlen_head_kernel[(num_reqs, triton.cdiv(channels, bch))](
-        x, weight, conv_state, query_start_loc, state_slots, has_init, out,
+        x, weight, conv_state, query_start_loc, state_slots, has_init,
+        token_slots if token_slots is not None else state_slots, out,
         total, channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(),
         out.stride(0), out.stride(1),
         K=kernel, LST=state_len, DIL=dilation, LP=lp, BC=bch, SILU=silu, S0=s0, S1=s1,
-        num_warps=4, **launch_options(x)
+        TOKEN_STATES=token_slots is not None, num_warps=4, **launch_options(x)
     )
     return result()
