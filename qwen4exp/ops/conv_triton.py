@@ -1,12 +1,11 @@
-"""Decode-time causal depthwise conv1d with state slots: one Triton kernel over a padded batch, graph capturable.
+"""Causal depthwise conv1d with state slots: the decode kernel (one token a request, graph capturable) and the
+varlen pair (any flat batch of requests).
 
-Each of B requests brings Lq consecutive inputs (Lq = 1 for decode, > 1 for speculative verification):
-x [B*Lq, C], weight [C, K], conv_state [S, C, L] with L = (K-1)*dilation holding each request's last L inputs,
-oldest first (treated as zeros where has_initial_state[b] is False). With window = [state (L), x_t] the token's
-output is act(sum_j weight[c, j] * window[c, j*dilation]), accumulated in fp32 and returned in x's dtype [B*Lq, C].
+x [T, C], weight [C, K], conv_state [S, C, L] with L = (K-1)*dilation holding each request's last L inputs, oldest
+first (treated as zeros where has_initial_state[b] is False). With window = [state (L), x_t] the token's output is
+act(sum_j weight[c, j] * window[c, j*dilation]), accumulated in fp32 and returned in x's dtype [T, C].
 conv_state[state_slots[b]] is updated in place to the last L inputs (new inputs are stored in the state's dtype, and
-are rounded to it before use, as the reference does); intermediate_states [B, Lq, C, L], when given, receives the
-state after every token.
+are rounded to it before use, as the reference does).
 
 Padding rows carry slot 0 (the null slot): they read and write slot 0 only, which may hold garbage.
 """
@@ -19,16 +18,14 @@ from ._triton_utils import launch_options, pdl_start
 
 
 @triton.jit
-def _load_window(state_base, x_base, stride_sl, stride_xt, shift, offs_p, sel, c_ok, init2d,
-                 LST: tl.constexpr, LQ: tl.constexpr):
-    """Positions shift + offs_p (where sel) of the history [state (LST), x_0 .. x_{LQ-1}] as fp32 [BC, LP]."""
+def _load_window(state_base, x_base, stride_sl, shift, offs_p, sel, c_ok, init2d, LST: tl.constexpr):
+    """Positions shift + offs_p (where sel) of the history [state (LST), x] as fp32 [BC, LP]."""
     pos = shift + offs_p
     in_state = pos < LST
     m_state = c_ok[:, None] & (sel & in_state)[None, :] & init2d
     from_state = tl.load(state_base + pos[None, :] * stride_sl, mask=m_state, other=0.0).to(tl.float32)
-    xi = tl.maximum(pos - LST, 0)
-    m_x = c_ok[:, None] & (sel & (pos >= LST) & (xi < LQ))[None, :]
-    from_x = tl.load(x_base + xi[None, :] * stride_xt, mask=m_x, other=0.0)
+    m_x = c_ok[:, None] & (sel & (pos == LST))[None, :]
+    from_x = tl.load(x_base + 0 * pos[None, :], mask=m_x, other=0.0)
     # Inputs live on in the state's dtype, so they are rounded to it whether used now or after the next step.
     from_x = from_x.to(state_base.dtype.element_ty).to(tl.float32)
     return tl.where(in_state[None, :], from_state, from_x)
@@ -36,12 +33,10 @@ def _load_window(state_base, x_base, stride_sl, stride_xt, shift, offs_p, sel, c
 
 @triton.jit
 def _causal_conv1d_update_kernel(
-    x_ptr, w_ptr, state_ptr, slots_ptr, has_init_ptr, out_ptr, inter_ptr,
+    x_ptr, w_ptr, state_ptr, slots_ptr, has_init_ptr, out_ptr,
     C,
     stride_xt, stride_xc, stride_wc, stride_wk, stride_ss, stride_sc, stride_sl, stride_ot, stride_oc,
-    stride_ib, stride_il, stride_ic, stride_is,
-    LQ: tl.constexpr, LST: tl.constexpr, DIL: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr,
-    SILU: tl.constexpr, STORE_INTER: tl.constexpr, PDL: tl.constexpr
+    LST: tl.constexpr, DIL: tl.constexpr, LP: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr
 ):
     pdl_start(PDL)
     # grid (channel tiles, requests), channel tiles fastest: programs that run side by side read adjacent columns of
@@ -57,29 +52,21 @@ def _causal_conv1d_update_kernel(
     # Full-shape mask (not scalar & tile): a fresh request's slot may hold NaNs, which must not be read.
     init2d = (tl.zeros([BC, LP], dtype=tl.int32) + has_init) != 0
     state_base = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
-    x_base = x_ptr + (b * LQ) * stride_xt + offs_c[:, None] * stride_xc
+    x_base = x_ptr + b * stride_xt + offs_c[:, None] * stride_xc
 
     # Weights spread over window positions: tap j sits at position j*DIL, every other position weighs zero.
     is_tap = (offs_p % DIL == 0) & (offs_p <= LST)
     w = tl.load(w_ptr + offs_c[:, None] * stride_wc + (offs_p // DIL)[None, :] * stride_wk,
                 mask=c_ok[:, None] & is_tap[None, :], other=0.0).to(tl.float32)
+
+    win = _load_window(state_base, x_base, stride_sl, 0, offs_p, is_tap, c_ok, init2d, LST)
+    acc = tl.sum(win * w, axis=1)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + b * stride_ot + offs_c * stride_oc, acc.to(out_ptr.dtype.element_ty), mask=c_ok)
+
     in_state_len = offs_p < LST
-
-    for t in range(LQ):
-        win = _load_window(state_base, x_base, stride_sl, stride_xt, t, offs_p, is_tap, c_ok, init2d, LST, LQ)
-        acc = tl.sum(win * w, axis=1)
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + (b * LQ + t) * stride_ot + offs_c * stride_oc, acc.to(out_ptr.dtype.element_ty), mask=c_ok)
-        if STORE_INTER:
-            after = _load_window(state_base, x_base, stride_sl, stride_xt, t + 1, offs_p, in_state_len, c_ok, init2d,
-                                 LST, LQ)
-            i_ptrs = (inter_ptr + b * stride_ib + t * stride_il + offs_c[:, None] * stride_ic
-                      + offs_p[None, :] * stride_is)
-            tl.store(i_ptrs, after.to(inter_ptr.dtype.element_ty), mask=c_ok[:, None] & in_state_len[None, :])
-
-    new_state = _load_window(state_base, x_base, stride_sl, stride_xt, LQ, offs_p, in_state_len, c_ok, init2d,
-                             LST, LQ)
+    new_state = _load_window(state_base, x_base, stride_sl, 1, offs_p, in_state_len, c_ok, init2d, LST)
     # The shift moves values between positions, which other threads of this program may still be reading.
     tl.debug_barrier()
     tl.store(state_base + offs_p[None, :] * stride_sl, new_state.to(state_ptr.dtype.element_ty),
@@ -100,40 +87,32 @@ def causal_conv1d_update(
     has_initial_state: torch.Tensor,
     dilation: int = 1,
     activation: str | None = "silu",
-    num_tokens_per_req: int = 1,
-    intermediate_states: torch.Tensor | None = None,
     block_c: int | None = None,
     num_warps: int = 1,
 ) -> torch.Tensor:
-    """See the module docstring. block_c / num_warps: tuning overrides (the defaults measured best on an H200 at
-    10240 channels: 6.8 us at batch 64 against 29 us with 256 channels over 4 warps)."""
-    total, channels = x.shape
+    """One token a request (x [B, C]); see the module docstring. block_c / num_warps: tuning overrides (the
+    defaults measured best on an H200 at 10240 channels: 6.8 us at batch 64 against 29 us with 256 channels over 4
+    warps)."""
+    B, channels = x.shape
     kernel = weight.shape[1]
     state_len = (kernel - 1) * dilation
-    lq, B = num_tokens_per_req, state_slots.shape[0]
-    assert kernel >= 2 and weight.shape[0] == channels and total == B * lq
+    assert kernel >= 2 and weight.shape[0] == channels and state_slots.shape[0] == B
     assert conv_state.shape[1:] == (channels, state_len), "conv_state must be [S, C, (K-1)*dilation]"
     assert state_slots.dtype == torch.int64 and has_initial_state.shape == (B,)
-    if intermediate_states is not None:
-        assert intermediate_states.shape == (B, lq, channels, state_len)
     silu = _check_activation(activation)
 
-    out = torch.empty((total, channels), dtype=x.dtype, device=x.device)
-    if total == 0:
+    out = torch.empty((B, channels), dtype=x.dtype, device=x.device)
+    if B == 0:
         return out
     lp = triton.next_power_of_2(state_len + 1)  # the window: state plus the new input
     bc = block_c or min(triton.next_power_of_2(channels), max(16, 512 // lp))
     has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
-    inter = intermediate_states if intermediate_states is not None else conv_state  # never written when absent
-    inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 4
     _causal_conv1d_update_kernel[(triton.cdiv(channels, bc), B)](
-        x, weight, conv_state, state_slots, has_init, out, inter,
+        x, weight, conv_state, state_slots, has_init, out,
         channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_state.stride(),
         out.stride(0), out.stride(1),
-        *inter_strides,
-        LQ=lq, LST=state_len, DIL=dilation, LP=lp, BC=bc, SILU=silu, STORE_INTER=intermediate_states is not None,
-        num_warps=num_warps, **launch_options(x)
+        LST=state_len, DIL=dilation, LP=lp, BC=bc, SILU=silu, num_warps=num_warps, **launch_options(x)
     )
     return out
 

@@ -69,28 +69,17 @@ def causal_conv1d_update_ref(
     has_initial_state: torch.Tensor,
     dilation: int = 1,
     activation: str | None = "silu",
-    num_tokens_per_req: int = 1,
-    intermediate_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch definition of `conv_triton.causal_conv1d_update`, vectorised over the batch."""
-    total, channels = x.shape
-    state_len = conv_state.shape[-1]
-    lq, B = num_tokens_per_req, state_slots.shape[0]
-    silu = activation is not None
-
+    """Torch definition of `conv_triton.causal_conv1d_update` (x [B, C], one token a request), vectorised over the
+    batch."""
     prev = conv_state[state_slots]
     prev = torch.where(has_initial_state.bool()[:, None, None], prev, torch.zeros_like(prev))
-    new = x.reshape(B, lq, channels).transpose(1, 2).to(conv_state.dtype)
-    history = torch.cat([prev, new], dim=-1)  # [B, C, L + Lq]
-    y = F.conv1d(history.float(), weight.float()[:, None, :], groups=channels, dilation=dilation)  # [B, C, Lq]
-    if silu:
+    history = torch.cat([prev, x[:, :, None].to(conv_state.dtype)], dim=-1)  # [B, C, L + 1]
+    y = F.conv1d(history.float(), weight.float()[:, None, :], groups=x.shape[1], dilation=dilation)  # [B, C, 1]
+    if activation is not None:
         y = F.silu(y)
-    if intermediate_states is not None:
-        # window after token t = history[t+1 : t+1+L]
-        after = history.unfold(-1, state_len, 1)[:, :, 1:]  # [B, C, Lq, L]
-        intermediate_states.copy_(after.transpose(1, 2))
-    conv_state[state_slots] = history[:, :, lq:]
-    return y.transpose(1, 2).reshape(total, channels).to(x.dtype)
+    conv_state[state_slots] = history[:, :, 1:]
+    return y[:, :, 0].to(x.dtype)
 
 
 def fused_recurrent_gated_delta_rule_ref(

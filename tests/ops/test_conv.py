@@ -28,45 +28,39 @@ def _batch():
 
 
 @pytest.mark.parametrize(
-    "channels,kernel,dilation,lq,dtype,state_dtype,activation",
+    "channels,kernel,dilation,dtype,state_dtype,activation",
     [
-        (40, 4, 1, 1, torch.float32, torch.float32, "silu"),
-        (40, 4, 3, 1, torch.float32, torch.float32, "silu"),
-        (300, 4, 1, 1, torch.float32, torch.float32, None),  # several channel tiles, ragged last tile
-        (24, 4, 3, 3, torch.float32, torch.float32, "silu"),
-        (24, 2, 1, 3, torch.float32, torch.float32, "silu"),
-        (40, 4, 1, 3, torch.bfloat16, torch.bfloat16, "silu"),
-        (24, 4, 3, 1, torch.bfloat16, torch.bfloat16, None),
-        (24, 4, 3, 3, torch.float32, torch.bfloat16, "silu"),  # inputs are rounded to the state's dtype
+        (40, 4, 1, torch.float32, torch.float32, "silu"),
+        (40, 4, 3, torch.float32, torch.float32, "silu"),
+        (300, 4, 1, torch.float32, torch.float32, None),  # several channel tiles, ragged last tile
+        (24, 2, 1, torch.float32, torch.float32, "silu"),
+        (40, 4, 1, torch.bfloat16, torch.bfloat16, "silu"),
+        (24, 4, 3, torch.bfloat16, torch.bfloat16, None),
+        (24, 4, 3, torch.float32, torch.bfloat16, "silu"),  # inputs are rounded to the state's dtype
     ],
 )
-def test_matches_reference(channels, kernel, dilation, lq, dtype, state_dtype, activation):
+def test_matches_reference(channels, kernel, dilation, dtype, state_dtype, activation):
     slots, has_init, real = _batch()
     B, state_len = slots.numel(), (kernel - 1) * dilation
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(B * lq, channels, generator=gen).to(state_dtype).to(dtype)
+    x = torch.randn(B, channels, generator=gen).to(state_dtype).to(dtype)
     # ^ inputs representable in the state's dtype: the interpreter rounds fp32 -> bf16 toward zero where the GPU
     # (and torch) round to nearest even, so only exactly representable values can be compared bit for bit.
     weight = torch.randn(channels, kernel, generator=gen).to(dtype)
     state = torch.randn(NUM_SLOTS, channels, state_len, generator=gen).to(state_dtype)
     state[slots[1]] = float("nan")  # a fresh request must not read its slot
     fast_state, ref_state = state.clone(), state.clone()
-    fast_inter = torch.full((B, lq, channels, state_len), float("nan"), dtype=state_dtype)
-    ref_inter = torch.zeros_like(fast_inter)
 
-    out = causal_conv1d_update(x, weight, fast_state, slots, has_init, dilation, activation, lq, fast_inter)
-    ref = causal_conv1d_update_ref(x, weight, ref_state, slots, has_init, dilation, activation, lq, ref_inter)
+    out = causal_conv1d_update(x, weight, fast_state, slots, has_init, dilation, activation)
+    ref = causal_conv1d_update_ref(x, weight, ref_state, slots, has_init, dilation, activation)
 
     assert out.dtype == dtype and out.shape == x.shape
-    tok_real = real.repeat_interleave(lq)
     exact = dtype == torch.float32 and state_dtype == torch.float32
     tol = dict(rtol=1e-5, atol=1e-6) if exact else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(out[tok_real], ref[tok_real], **tol)
+    torch.testing.assert_close(out[real], ref[real], **tol)
     # the state only moves values around: exact in any dtype
     touched = slots[real]
     assert torch.equal(fast_state[touched], ref_state[touched])
-    assert torch.equal(fast_inter[real], ref_inter[real])
-    assert torch.equal(fast_inter[real][:, -1], fast_state[touched])
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(fast_state[untouched], state[untouched])
@@ -100,26 +94,6 @@ def test_token_by_token_matches_prefill_reference(dilation):
     torch.testing.assert_close(out, step_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out, prefill, rtol=1e-5, atol=1e-6)
     assert torch.equal(state, step_state) and torch.equal(state, prefill_state)
-
-
-def test_spec_tokens_match_single_steps():
-    """Lq tokens in one call equal Lq single-token calls, intermediate states included."""
-    channels, kernel, dilation, lq = 16, 4, 3, 3
-    slots = torch.tensor([2, 6], dtype=torch.int64)
-    has_init = torch.tensor([True, False])
-    B, state_len = 2, (kernel - 1) * dilation
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(B, lq, channels, generator=gen)
-    weight = torch.randn(channels, kernel, generator=gen)
-    state = torch.randn(NUM_SLOTS, channels, state_len, generator=gen)
-    single = state.clone()
-    inter = torch.empty(B, lq, channels, state_len)
-    out = causal_conv1d_update(x.flatten(0, 1), weight, state, slots, has_init, dilation, "silu", lq, inter)
-    for t in range(lq):
-        o = causal_conv1d_update(x[:, t], weight, single, slots, has_init | (t > 0), dilation)
-        torch.testing.assert_close(out.reshape(B, lq, channels)[:, t], o, rtol=1e-6, atol=1e-7)
-        assert torch.equal(inter[:, t], single[slots])
-    assert torch.equal(state, single)
 
 
 @pytest.mark.parametrize(
