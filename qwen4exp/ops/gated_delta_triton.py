@@ -1,18 +1,17 @@
 """Decode-time gated delta rule: one fused Triton kernel over a padded batch, CUDA-graph capturable.
 
-Each of B requests brings L consecutive tokens (L = 1 for decode, L > 1 for speculative verification), or, with
-`query_start_loc`, its own range of the flat batch (any length, none included: the mixed steps of CUDA graphs, where
-the token loop replaces the chunked prefill form; its cost grows with the longest request's tokens):
-q, k [B*L, Hk, Dk] and v [B*L, Hv, Dv] (bf16/fp16/fp32), g [B*L, Hv] fp32 log-decay, beta [B*L, Hv]. Per value
+Each of B requests brings one token (decode), or, with `query_start_loc`, its own range of the flat batch (any
+length, none included: speculative verification and the mixed steps of CUDA graphs, where the token loop replaces the
+chunked prefill form; its cost grows with the longest request's tokens): q, k [T, Hk, Dk] and v [T, Hv, Dv]
+(bf16/fp16/fp32), g [T, Hv] fp32 log-decay, beta [T, Hv]. Per value
 head h (query/key head h // (Hv // Hk)), with fp32 state S [Dk, Dv] taken from ssm_state[state_slots[b]] (zeros
 where has_initial_state[b] is False), q and k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5, each token does
     S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
-Returns o [B*L, Hv, Dv] in v's dtype; writes the state after the last token back into ssm_state[state_slots[b]]
-(in place) and, when given, the state after every token into intermediate_states [B, L, Hv, Dk, Dv] fp32, and
-(speculative verification) the state after token t into ssm_state[token_slots[t]] where token_slots [B*L or T] int64
-is >= 0 (slots no request of the call starts from).
+Returns o [T, Hv, Dv] in v's dtype; writes the state after the last token back into ssm_state[state_slots[b]]
+(in place) and, with `query_start_loc` (speculative verification), the state after token t into
+ssm_state[token_slots[t]] where token_slots [>= T] int64 is >= 0 (slots no request of the call starts from).
 
-`fused_recurrent_gated_delta_rule_raw` takes the gate projections instead of g and beta: b, a [B*L, Hv] (views of
+`fused_recurrent_gated_delta_rule_raw` takes the gate projections instead of g and beta: b, a [T, Hv] (views of
 the merged in_proj output are fine) with A_log, dt_bias [Hv], and computes the gates of `gated_delta.gdn_gates` in
 the kernel, with its dtypes: beta = sigmoid(b) rounded to b's dtype, g = -exp(A_log) * softplus(a + dt_bias) in fp32.
 
@@ -84,12 +83,11 @@ def _store_token_state(state, tok, token_slots_ptr, state_ptr, h, offs_k, offs_v
 @triton.jit
 def _fused_recurrent_gdn_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, slots_ptr, has_init_ptr,
-    inter_ptr, qsl_ptr, token_slots_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    qsl_ptr, token_slots_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk, stride_sv,
-    stride_ib, stride_il, stride_ih, stride_ik, stride_iv,
     scale,
-    L: tl.constexpr, HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, STORE_INTER: tl.constexpr,
+    HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
     RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, TOKEN_SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
     PDL: tl.constexpr
 ):
@@ -127,18 +125,10 @@ def _fused_recurrent_gdn_kernel(
             if TOKEN_SLOTS:
                 _store_token_state(state, tok, token_slots_ptr, state_ptr, h, offs_k, offs_v, stride_ss, stride_sh,
                                    stride_sk, stride_sv, DK, BV)
-    else:
-        for t in range(L):
-            state = _token_step(state, b * L + t, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt,
-                                stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off,
-                                b_off, o_off, offs_k, offs_v, scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
-            if STORE_INTER:
-                i_ptrs = (inter_ptr + b * stride_ib + t * stride_il + h * stride_ih
-                          + offs_k[:, None] * stride_ik + offs_v[None, :] * stride_iv)
-                tl.store(i_ptrs, state)
-            if TOKEN_SLOTS:
-                _store_token_state(state, b * L + t, token_slots_ptr, state_ptr, h, offs_k, offs_v, stride_ss,
-                                   stride_sh, stride_sk, stride_sv, DK, BV)
+    else:  # decode: request b's one token is row b
+        state = _token_step(state, b, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt, stride_vt,
+                            stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off, b_off, o_off, offs_k, offs_v,
+                            scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
 
     tl.store(s_ptrs, state)
 
@@ -160,23 +150,21 @@ def _num_warps(dk: int, bv: int) -> int:
     return max(1, min(4, dk * bv // 1024))
 
 
-def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_state, L, intermediate_states, block_v,
-            query_start_loc=None, token_slots=None):
+def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_state, block_v, query_start_loc=None,
+            token_slots=None):
     total, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     B = state_slots.shape[0]
     if query_start_loc is None:
-        assert total == B * L and k.shape == q.shape and v.shape[0] == total, "q/k/v must hold B*L tokens"
+        assert total == B and k.shape == q.shape and v.shape[0] == total, "q/k/v must hold one token a request"
+        assert token_slots is None, "token slots need query_start_loc"
     else:
         assert query_start_loc.shape == (B + 1,) and k.shape == q.shape and v.shape[0] == total
-        assert intermediate_states is None, "intermediate states need L tokens per request"
     assert hv % hk == 0 and _is_pow2(dk) and _is_pow2(dv), "grouped heads; Dk and Dv powers of two"
     assert g.shape == (total, hv) and beta.shape == (total, hv)
     assert ssm_state.dtype == torch.float32 and ssm_state.shape[1:] == (hv, dk, dv)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert state_slots.dtype == torch.int64 and has_initial_state.shape == (B,)
-    if intermediate_states is not None:
-        assert intermediate_states.dtype == torch.float32 and intermediate_states.shape == (B, L, hv, dk, dv)
     if gate_params is not None:
         assert all(p.shape == (hv,) and p.stride(0) == 1 for p in gate_params), "A_log and dt_bias: [Hv]"
     if token_slots is not None:
@@ -190,19 +178,16 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         return out
     # A bool tensor reinterpreted as bytes costs nothing and keeps the kernel's pointer type simple.
     has_init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
-    inter = intermediate_states if intermediate_states is not None else ssm_state  # never written when absent
-    inter_strides = intermediate_states.stride() if intermediate_states is not None else (0,) * 5
     a_log, dt_bias = gate_params if gate_params is not None else (g, g)  # never read without RAW_GATES
     qsl = query_start_loc if query_start_loc is not None else state_slots  # never read without VARLEN
     tok_slots = token_slots if token_slots is not None else state_slots  # never read without TOKEN_SLOTS
     _fused_recurrent_gdn_kernel[(B, hv, dv // bv)](
-        q, k, v, g, beta, a_log, dt_bias, out, ssm_state, state_slots, has_init, inter, qsl, tok_slots,
+        q, k, v, g, beta, a_log, dt_bias, out, ssm_state, state_slots, has_init, qsl, tok_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         *ssm_state.stride(),
-        *inter_strides,
         dk ** -0.5,
-        L=L, HEAD_RATIO=hv // hk, DK=dk, BV=bv, STORE_INTER=intermediate_states is not None,
+        HEAD_RATIO=hv // hk, DK=dk, BV=bv,
         RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, TOKEN_SLOTS=token_slots is not None,
         INTERPRETED=INTERPRETED,
         num_warps=_num_warps(dk, bv), **launch_options(q)
@@ -219,16 +204,14 @@ def fused_recurrent_gated_delta_rule(
     ssm_state: torch.Tensor,
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
-    num_tokens_per_req: int = 1,
-    intermediate_states: torch.Tensor | None = None,
     block_v: int | None = None,
     query_start_loc: torch.Tensor | None = None,
     token_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring. block_v overrides the value-tile width (a power of two dividing Dv);
-    query_start_loc (int32 [B + 1], device) gives each request its own token range instead of L tokens each."""
-    return _launch(q, k, v, g, beta, None, ssm_state, state_slots, has_initial_state, num_tokens_per_req,
-                   intermediate_states, block_v, query_start_loc, token_slots)
+    query_start_loc (int32 [B + 1], device) gives each request its own token range instead of one token each."""
+    return _launch(q, k, v, g, beta, None, ssm_state, state_slots, has_initial_state, block_v, query_start_loc,
+                   token_slots)
 
 
 def fused_recurrent_gated_delta_rule_raw(
@@ -242,13 +225,11 @@ def fused_recurrent_gated_delta_rule_raw(
     ssm_state: torch.Tensor,
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
-    num_tokens_per_req: int = 1,
-    intermediate_states: torch.Tensor | None = None,
     block_v: int | None = None,
     query_start_loc: torch.Tensor | None = None,
     token_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fused_recurrent_gated_delta_rule(q, k, v, g, beta, ...) with (beta, g) = gdn_gates(b, a, A_log, dt_bias)
     computed inside the kernel: the gate kernels' launches disappear from the decode step."""
-    return _launch(q, k, v, a, b, (A_log, dt_bias), ssm_state, state_slots, has_initial_state, num_tokens_per_req,
-                   intermediate_states, block_v, query_start_loc, token_slots)
+    return _launch(q, k, v, a, b, (A_log, dt_bias), ssm_state, state_slots, has_initial_state, block_v,
+                   query_start_loc, token_slots)

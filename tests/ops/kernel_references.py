@@ -1,7 +1,7 @@
 """Torch definitions of the kernels' own contracts, vectorised over a batch and shaped like the kernels' arguments.
 
 The ops' references (qwen4exp/ops/X.py) define the model's numerics per request; these define what one kernel
-computes for its padded batch (state slots, padding rows, intermediate states, pair layouts), so a kernel test can
+computes for its padded batch (state slots, padding rows, pair layouts), so a kernel test can
 compare element by element with the same arguments.
 """
 
@@ -92,9 +92,9 @@ def fused_recurrent_gated_delta_rule_ref(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     num_tokens_per_req: int = 1,
-    intermediate_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch definition of `gated_delta_triton.fused_recurrent_gated_delta_rule`, vectorised over the batch.
+    """Torch definition of `gated_delta_triton.fused_recurrent_gated_delta_rule` for B requests of L =
+    num_tokens_per_req consecutive tokens each, vectorised over the batch.
 
     The batch is folded into the head axis (request b, value head h -> head b*Hv + h, whose q/k head b*Hk + h//r is
     exactly what the grouped-head rule of recurrent_gated_delta_rule_ref picks), so that reference runs unchanged.
@@ -111,11 +111,9 @@ def fused_recurrent_gated_delta_rule_ref(
     state = torch.where(has_initial_state.bool()[:, None, None, None], init, torch.zeros_like(init))
     state = state.reshape(B * hv, dk, dv)
     outs = []
-    for t in range(L):  # token by token only to expose the intermediate states
+    for t in range(L):
         o, state = recurrent_gated_delta_rule_ref(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
         outs.append(o[0])
-        if intermediate_states is not None:
-            intermediate_states[:, t] = state.reshape(B, hv, dk, dv)
     ssm_state[state_slots] = state.reshape(B, hv, dk, dv)
     out = torch.stack(outs).reshape(L, B, hv, dv).transpose(0, 1).reshape(total, hv, dv)
     return out.to(v.dtype)

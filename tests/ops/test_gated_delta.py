@@ -31,6 +31,11 @@ def _inputs(B, L, hk, hv, dk, dv, dtype, seed=0):
     return q, k, v, g, beta, state
 
 
+def _ranges(B, L):
+    """The layout of B requests of L tokens each: one token a request needs none, more take query_start_loc."""
+    return {} if L == 1 else {"query_start_loc": torch.arange(B + 1, dtype=torch.int32) * L}
+
+
 def _batch():
     """Shuffled distinct slots, a fresh request whose slot holds NaNs, and two padding rows on the null slot 0."""
     slots = torch.tensor([5, 2, 7, 0, 3, 0], dtype=torch.int64)
@@ -57,13 +62,10 @@ def test_matches_reference(hk, hv, dk, dv, L, dtype, block_v):
     q, k, v, g, beta, state = _inputs(B, L, hk, hv, dk, dv, dtype)
     state[slots[1]] = float("nan")  # a fresh request must not read its slot
     fast_state, ref_state = state.clone(), state.clone()
-    fast_inter = torch.full((B, L, hv, dk, dv), float("nan"))
-    ref_inter = torch.zeros_like(fast_inter)
 
-    out = fused_recurrent_gated_delta_rule(
-        q, k, v, g, beta, fast_state, slots, has_init, L, intermediate_states=fast_inter, block_v=block_v
-    )
-    ref = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, has_init, L, ref_inter)
+    out = fused_recurrent_gated_delta_rule(q, k, v, g, beta, fast_state, slots, has_init, block_v=block_v,
+                                           **_ranges(B, L))
+    ref = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, has_init, L)
 
     assert out.dtype == v.dtype and out.shape == v.shape
     tok_real = real.repeat_interleave(L)
@@ -72,8 +74,6 @@ def test_matches_reference(hk, hv, dk, dv, L, dtype, block_v):
     # fp32 state arithmetic is identical whatever the input dtype
     touched = slots[real]
     torch.testing.assert_close(fast_state[touched], ref_state[touched], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fast_inter[real], ref_inter[real], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fast_inter[real][:, -1], fast_state[touched], rtol=0, atol=0)
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(fast_state[untouched], state[untouched])
@@ -115,7 +115,7 @@ def test_token_by_token_matches_chunked_form(L):
     for s in range(0, n, L):
         step = [x[:, s:s + L].flatten(0, 1) for x in (q, k, v, g, beta)]
         step_init = has_init if s == 0 else torch.ones_like(has_init)
-        outs.append(fused_recurrent_gated_delta_rule(*step, state, slots, step_init, L, block_v=dv)
+        outs.append(fused_recurrent_gated_delta_rule(*step, state, slots, step_init, block_v=dv, **_ranges(B, L))
                     .reshape(B, L, hv, dv))
     out = torch.cat(outs, dim=1)
 
@@ -151,17 +151,16 @@ def _raw_case(hk, hv, dk, dv, L, dtype, seed=0):
 
 
 def _raw_reference(q, k, v, beta, g, state, slots, has_init, L):
-    ref_state, ref_inter = state.clone(), torch.zeros(slots.numel(), L, *state.shape[1:])
-    ref = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, has_init, L, ref_inter)
-    return ref, ref_state, ref_inter
+    ref_state = state.clone()
+    ref = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, has_init, L)
+    return ref, ref_state
 
 
-def _assert_matches(out, fast_state, fast_inter, ref, ref_state, ref_inter, slots, real, L, dtype):
+def _assert_matches(out, fast_state, ref, ref_state, slots, real, L, dtype):
     tok_real = real.repeat_interleave(L)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(out[tok_real].float(), ref[tok_real].float(), **tol)
     torch.testing.assert_close(fast_state[slots[real]], ref_state[slots[real]], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fast_inter[real], ref_inter[real], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -179,14 +178,13 @@ def test_raw_gates_match_gdn_gates_then_reference(hk, hv, dk, dv, L, dtype, bloc
     """The kernel's own gates = gdn_gates (beta rounded to the input dtype, g in fp32) fed to the reference."""
     q, k, v, b, a, A_log, dt_bias, state, slots, has_init, real = _raw_case(hk, hv, dk, dv, L, dtype)
     fast_state = state.clone()
-    fast_inter = torch.full((slots.numel(), L, *state.shape[1:]), float("nan"))
-    out = fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, fast_state, slots, has_init, L,
-                                               intermediate_states=fast_inter, block_v=block_v)
+    out = fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, fast_state, slots, has_init,
+                                               block_v=block_v, **_ranges(slots.numel(), L))
     beta, g = gdn_gates(b, a, A_log, dt_bias)
     assert torch.isfinite(g).all() and (g <= 0).all()
-    ref, ref_state, ref_inter = _raw_reference(q, k, v, beta, g, state, slots, has_init, L)
+    ref, ref_state = _raw_reference(q, k, v, beta, g, state, slots, has_init, L)
     assert out.dtype == v.dtype and out.shape == v.shape
-    _assert_matches(out, fast_state, fast_inter, ref, ref_state, ref_inter, slots, real, L, dtype)
+    _assert_matches(out, fast_state, ref, ref_state, slots, real, L, dtype)
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(fast_state[untouched], state[untouched])
@@ -199,9 +197,8 @@ def test_raw_gates_test_detects_wrong_gate_math(dtype):
     L = 2
     q, k, v, b, a, A_log, dt_bias, state, slots, has_init, real = _raw_case(1, 2, 16, 16, L, dtype, seed=4)
     fast_state = state.clone()
-    fast_inter = torch.zeros(slots.numel(), L, *state.shape[1:])
-    out = fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, fast_state, slots, has_init, L,
-                                               intermediate_states=fast_inter)
+    out = fused_recurrent_gated_delta_rule_raw(q, k, v, b, a, A_log, dt_bias, fast_state, slots, has_init,
+                                               **_ranges(slots.numel(), L))
     beta, g = gdn_gates(b, a, A_log, dt_bias)
     wrong = {
         "dt_bias ignored": gdn_gates(b, a, A_log, torch.zeros_like(dt_bias)),
@@ -213,12 +210,12 @@ def test_raw_gates_test_detects_wrong_gate_math(dtype):
     for name, (wrong_beta, wrong_g) in wrong.items():
         ref = _raw_reference(q, k, v, wrong_beta, wrong_g, state, slots, has_init, L)
         try:
-            _assert_matches(out, fast_state, fast_inter, *ref, slots, real, L, dtype)
+            _assert_matches(out, fast_state, *ref, slots, real, L, dtype)
         except AssertionError:
             continue
         pytest.fail(f"{name}: not detected")
-    _assert_matches(out, fast_state, fast_inter, *_raw_reference(q, k, v, beta, g, state, slots, has_init, L),
-                    slots, real, L, dtype)
+    _assert_matches(out, fast_state, *_raw_reference(q, k, v, beta, g, state, slots, has_init, L), slots, real, L,
+                    dtype)
 
 
 def _varlen_case(lengths, hk, hv, dk, dv, dtype, seed=0):
@@ -272,24 +269,6 @@ def test_varlen_matches_reference_per_request(lengths, hk, hv, dk, dv, dtype, ra
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(fast_state[untouched], state[untouched])
-
-
-def test_varlen_equals_uniform_tokens_per_request():
-    """With every request bringing L tokens, the varlen launch computes exactly what the L-token launch does. The
-    padding rows share the null slot 0 (garbage by contract: on a GPU their programs race on it), so only the real
-    requests' outputs and slots are compared."""
-    L, hk, hv, dk, dv = 3, 1, 2, 16, 16
-    slots, has_init, real = _batch()
-    B = slots.numel()
-    q, k, v, g, beta, state = _inputs(B, L, hk, hv, dk, dv, torch.bfloat16, seed=5)
-    state[slots[1]] = float("nan")
-    uniform_state, varlen_state = state.clone(), state.clone()
-    uniform = fused_recurrent_gated_delta_rule(q, k, v, g, beta, uniform_state, slots, has_init, L)
-    qsl = torch.arange(B + 1, dtype=torch.int32) * L
-    varlen = fused_recurrent_gated_delta_rule(q, k, v, g, beta, varlen_state, slots, has_init, query_start_loc=qsl)
-    rows = real.repeat_interleave(L)
-    assert torch.equal(uniform[rows], varlen[rows])
-    assert torch.equal(uniform_state[1:].nan_to_num(), varlen_state[1:].nan_to_num())
 
 
 @pytest.mark.parametrize("raw", [False, True])
