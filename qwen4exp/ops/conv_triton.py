@@ -18,16 +18,13 @@ from ._triton_utils import launch_options, pdl_start
 
 
 @triton.jit
-def _load_window(state_base, x_base, stride_sl, shift, offs_p, sel, c_ok, init2d, LST: tl.constexpr):
-    """Positions shift + offs_p (where sel) of the history [state (LST), x] as fp32 [BC, LP]."""
+def _load_window(state_base, x, stride_sl, shift, offs_p, sel, c_ok, init2d, LST: tl.constexpr):
+    """Positions shift + offs_p (where sel) of the history [state (LST), x] as fp32 [BC, LP]; x [BC] fp32."""
     pos = shift + offs_p
     in_state = pos < LST
     m_state = c_ok[:, None] & (sel & in_state)[None, :] & init2d
     from_state = tl.load(state_base + pos[None, :] * stride_sl, mask=m_state, other=0.0).to(tl.float32)
-    m_x = c_ok[:, None] & (sel & (pos == LST))[None, :]
-    from_x = tl.load(x_base + 0 * pos[None, :], mask=m_x, other=0.0)
-    # Inputs live on in the state's dtype, so they are rounded to it whether used now or after the next step.
-    from_x = from_x.to(state_base.dtype.element_ty).to(tl.float32)
+    from_x = tl.where((sel & (pos == LST))[None, :], x[:, None], 0.0)
     return tl.where(in_state[None, :], from_state, from_x)
 
 
@@ -52,21 +49,23 @@ def _causal_conv1d_update_kernel(
     # Full-shape mask (not scalar & tile): a fresh request's slot may hold NaNs, which must not be read.
     init2d = (tl.zeros([BC, LP], dtype=tl.int32) + has_init) != 0
     state_base = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
-    x_base = x_ptr + b * stride_xt + offs_c[:, None] * stride_xc
+    x = tl.load(x_ptr + b * stride_xt + offs_c * stride_xc, mask=c_ok, other=0.0)
+    # Inputs live on in the state's dtype, so they are rounded to it whether used now or after the next step.
+    x = x.to(state_ptr.dtype.element_ty).to(tl.float32)
 
     # Weights spread over window positions: tap j sits at position j*DIL, every other position weighs zero.
     is_tap = (offs_p % DIL == 0) & (offs_p <= LST)
     w = tl.load(w_ptr + offs_c[:, None] * stride_wc + (offs_p // DIL)[None, :] * stride_wk,
                 mask=c_ok[:, None] & is_tap[None, :], other=0.0).to(tl.float32)
 
-    win = _load_window(state_base, x_base, stride_sl, 0, offs_p, is_tap, c_ok, init2d, LST)
+    win = _load_window(state_base, x, stride_sl, 0, offs_p, is_tap, c_ok, init2d, LST)
     acc = tl.sum(win * w, axis=1)
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + b * stride_ot + offs_c * stride_oc, acc.to(out_ptr.dtype.element_ty), mask=c_ok)
 
     in_state_len = offs_p < LST
-    new_state = _load_window(state_base, x_base, stride_sl, 1, offs_p, in_state_len, c_ok, init2d, LST)
+    new_state = _load_window(state_base, x, stride_sl, 1, offs_p, in_state_len, c_ok, init2d, LST)
     # The shift moves values between positions, which other threads of this program may still be reading.
     tl.debug_barrier()
     tl.store(state_base + offs_p[None, :] * stride_sl, new_state.to(state_ptr.dtype.element_ty),
