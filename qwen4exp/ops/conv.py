@@ -65,6 +65,6 @@ def causal_conv1d(x, weight, conv_state, meta, dilation: int = 1, activation: st
         out = conv_triton.causal_conv1d_update(x, weight, conv_state, meta.state_slots, meta.has_initial, dilation,
                                                activation)
         return out if split is None else out.split(list(split), -1)
-    return conv_triton.causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.state_slots,
-                                            meta.has_initial, dilation, activation, split=split,
+    return conv_triton.causal_conv1d_varlen(x, weight, conv_state, meta.query_start_loc, meta.token_local,
+                                            meta.state_slots, meta.has_initial, dilation, activation, split=split,
                                             token_slots=meta.state_token_slots)

@@ -19,6 +19,12 @@ causal_conv1d_varlen = on_device(causal_conv1d_varlen)
 NUM_SLOTS = 9
 
 
+def _local(qsl) -> torch.Tensor:
+    """Each row's index in its request (the step metadata's token_local)."""
+    qsl = [int(q) for q in qsl]
+    return torch.cat([torch.arange(b - a) for a, b in zip(qsl, qsl[1:])])
+
+
 def _batch():
     """Shuffled distinct slots, a fresh request whose slot holds NaNs, and two padding rows on the null slot 0."""
     slots = torch.tensor([5, 2, 7, 0, 3, 0], dtype=torch.int64)
@@ -123,8 +129,8 @@ def test_varlen_prefill_matches_reference(channels, kernel, dilation, dtype, sta
     state[slots[2]] = float("nan")
     fast_state, ref_state = state.clone(), state.clone()
 
-    out = causal_conv1d_varlen(x, weight, fast_state, torch.tensor(qsl, dtype=torch.int32), torch.tensor(slots),
-                               torch.tensor(has_init), dilation, activation)
+    out = causal_conv1d_varlen(x, weight, fast_state, torch.tensor(qsl, dtype=torch.int32), _local(qsl),
+                               torch.tensor(slots), torch.tensor(has_init), dilation, activation)
     ref = causal_conv1d(x, weight, ref_state, qsl, slots, has_init, dilation, activation)
 
     exact = dtype == torch.float32 and state_dtype == torch.float32
@@ -144,7 +150,7 @@ def test_varlen_split_output_equals_split_of_the_full_output(split, block_c):
     x = torch.randn(int(qsl[-1]), channels, generator=gen)
     weight = torch.randn(channels, kernel, generator=gen)
     state = torch.randn(NUM_SLOTS, channels, kernel - 1, generator=gen)
-    args = (qsl, torch.tensor(slots), torch.tensor(has_init))
+    args = (qsl, _local(qsl), torch.tensor(slots), torch.tensor(has_init))
     full_state, split_state = state.clone(), state.clone()
     full = causal_conv1d_varlen(x, weight, full_state, *args, block_c=block_c)
     parts = causal_conv1d_varlen(x, weight, split_state, *args, block_c=block_c, split=split)
@@ -191,8 +197,8 @@ def test_verified_rows_store_the_state_after_each_row(dilation, state_dtype):
     assert torch.equal(ref[~stored].nan_to_num(7.0), state[~stored].nan_to_num(7.0))
 
     fast = state.clone()
-    got = causal_conv1d_varlen(x, weight, fast, torch.tensor(qsl), torch.tensor(slots), torch.tensor(has_init),
-                               dilation, "silu", token_slots=torch.tensor(token_slots))
+    got = causal_conv1d_varlen(x, weight, fast, torch.tensor(qsl), _local(qsl), torch.tensor(slots),
+                               torch.tensor(has_init), dilation, "silu", token_slots=torch.tensor(token_slots))
     tol = dict(rtol=1e-5, atol=1e-6) if state_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, out, **tol)  # fp32 sums in another order, rounded to x's dtype
     assert torch.equal(fast[stored], ref[stored])  # values only move
