@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from ._triton_utils import launch_options, pdl_start, round_to, rounding
 
 # products held per program (fp32 values): ~64 registers a thread at 4 warps
@@ -260,15 +261,18 @@ def supported(streams: torch.Tensor, hc: int) -> bool:
 
 
 def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
-                  block_out=None, block_inject=None, block_rows: int = 16, chunk: int = 512, block_h: int = 4):
+                  block_out=None, block_inject=None, block_rows: int | None = None, chunk: int = 512,
+                  block_h: int = 4):
     """Same contract as `ops.hyper_connection.hc_mix` with block_out [T, H] or None (dispatched to for `supported`
     inputs; correct for any T): returns (streams after the pending combine, block input, injection weights or None).
 
     block_rows x chunk: the W_down_inject tile of one down program (chunk is cut to a power of two dividing the
     stream width); block_h: hidden columns (of every stream) of one up program. Defaults: within noise of the
-    fastest tiles at flash-next widths on an H200.
+    fastest tiles at flash-next widths on an H200; block_rows (None) is tuning.HC_DECODE_BLOCK_ROWS by width.
     """
     T, width = streams.shape
+    if block_rows is None:
+        block_rows = tuning.HC_DECODE_BLOCK_ROWS[width <= tuning.HC_DECODE_SMALL_WIDTH]
     H = width // hc
     rows = rank + (hc if inject else 0)
     dtype, dev = streams.dtype, streams.device

@@ -60,6 +60,10 @@ HC_DECODE_MAX_TOKENS = 1
 # small`, us a combine + mix, decode kernels / norm pass + partials: 2 tokens 7.32 / 7.89, 4 tokens 10.49 / 7.93.
 HC_DECODE_SMALL_WIDTH = 4096
 HC_DECODE_SMALL_MAX_TOKENS = 2
+# Rows of W_down_inject a down program of the decode kernels takes: (wider mixes, those of at most
+# HC_DECODE_SMALL_WIDTH columns). One H100, 27 tiles (rows x chunk x block_h) at the small preset's widths, us a
+# combine + mix, 16 / 8 rows: 1 token 5.81 / 5.42, 2 tokens 7.39 / 6.24 (the fastest tile within 3% at each).
+HC_DECODE_BLOCK_ROWS = (16, 8)
 
 # ---- norms (ops.norm) ----
 
