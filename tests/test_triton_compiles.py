@@ -1,0 +1,38 @@
+"""Every Triton kernel compiles for the GPUs qwen4exp serves on (sm_90: H100, H200) with the launches the kernel
+tests make, on a machine without a GPU (tests/triton_sm90.py). The kernel tests themselves run the kernels in
+Triton's interpreter, which accepts code the compiler rejects."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def defined_kernels() -> set[str]:
+    """The launchable kernels of qwen4exp/ops (`@triton.jit` functions named *_kernel)."""
+    names = set()
+    for path in (ROOT / "qwen4exp" / "ops").glob("*_triton.py"):
+        names |= set(re.findall(r"@triton\.jit[^\n]*\ndef (\w+_kernel)\(", path.read_text()))
+    return names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernel tests compile and run every kernel")
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    report = tmp_path / "compiled.json"
+    env = dict(os.environ, TRITON_INTERPRET="0", QWEN4EXP_SM90_REPORT=str(report),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "triton_sm90", "-p", "no:cacheprovider",
+                          str(ROOT / "tests" / "ops")], env=env, cwd=ROOT, capture_output=True, text=True)
+    failed = [line for line in run.stdout.splitlines() if "KernelCompileError" in line or line.startswith("FAILED")]
+    assert run.returncode == 0, "\n".join(failed[:20]) or run.stdout[-3000:] + run.stderr[-3000:]
+    missing = defined_kernels() - set(json.loads(report.read_text()))
+    assert not missing, f"kernels no test launches, so never compiled: {sorted(missing)}"
