@@ -27,12 +27,23 @@ def defined_kernels() -> set[str]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernel tests compile and run every kernel")
 def test_every_kernel_compiles_for_sm90(tmp_path):
-    report = tmp_path / "compiled.json"
-    env = dict(os.environ, TRITON_INTERPRET="0", QWEN4EXP_SM90_REPORT=str(report),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "triton_sm90", "-p", "no:cacheprovider",
-                          str(ROOT / "tests" / "ops")], env=env, cwd=ROOT, capture_output=True, text=True)
-    failed = [line for line in run.stdout.splitlines() if "KernelCompileError" in line or line.startswith("FAILED")]
-    assert run.returncode == 0, "\n".join(failed[:20]) or run.stdout[-3000:] + run.stderr[-3000:]
-    missing = defined_kernels() - set(json.loads(report.read_text()))
+    # the kernel tests in as many processes as there are cores, each compiling its share (largest files first)
+    files = sorted((ROOT / "tests" / "ops").glob("test_*.py"), key=lambda p: -p.stat().st_size)
+    n = max(1, min(len(files), os.cpu_count() or 1))
+    runs = []
+    for i in range(n):
+        report = tmp_path / f"compiled{i}.json"
+        env = dict(os.environ, TRITON_INTERPRET="0", QWEN4EXP_SM90_REPORT=str(report),
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        args = [sys.executable, "-m", "pytest", "-q", "-p", "triton_sm90", "-p", "no:cacheprovider",
+                *map(str, files[i::n])]
+        runs.append((report, subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True)))
+    compiled = set()
+    for report, proc in runs:
+        out = proc.communicate()[0]
+        failed = [line for line in out.splitlines() if "KernelCompileError" in line or line.startswith("FAILED")]
+        assert proc.returncode == 0, "\n".join(failed[:20]) or out[-3000:]
+        compiled |= set(json.loads(report.read_text()))
+    missing = defined_kernels() - compiled
     assert not missing, f"kernels no test launches, so never compiled: {sorted(missing)}"
