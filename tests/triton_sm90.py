@@ -8,8 +8,10 @@ Launches use the GPU's defaults (programmatic dependent launch on). Nothing runs
 void and ignored: a test fails only where a launch fails to compile. QWEN4EXP_SM90_REPORT=path writes the names of
 the kernels compiled there (JSON)."""
 
+import importlib
 import json
 import os
+import pkgutil
 
 import pytest
 from triton.backends.compiler import GPUTarget
@@ -38,19 +40,26 @@ class CompileOnlyDriver:
         return self.target
 
 
+def _launch_key(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:
+    """What decides a compilation here: the kernel, its constexprs and its arguments' dtypes. The launches of many
+    tests differ only in sizes, which Triton would compile again for their divisibility."""
+    def part(param, value):
+        if param.is_constexpr:
+            return repr(value)
+        return str(value.dtype) if hasattr(value, "dtype") else type(value).__name__
+    named = dict(zip((p.name for p in fn.params), args)) | kwargs
+    return fn.fn.__name__, tuple((p.name, part(p, named[p.name])) for p in fn.params if p.name in named)
+
+
 def pytest_configure(config):
     import qwen4exp.ops as ops
 
     driver.set_active(CompileOnlyDriver())
     run = JITFunction.run
-
     seen = set()
 
     def compile_only(self, *args, grid, warmup, **kwargs):
-        # one compilation per kernel, keyword arguments (the constexprs) and argument dtypes: the launches of many
-        # tests differ only in sizes, which Triton would compile again for their divisibility
-        key = (self.fn.__name__, repr(sorted(kwargs.items())),
-               tuple(str(a.dtype) if hasattr(a, "dtype") else type(a).__name__ for a in args))
+        key = _launch_key(self, args, kwargs)
         if key in seen:
             return None
         seen.add(key)
@@ -63,9 +72,6 @@ def pytest_configure(config):
 
     JITFunction.run = compile_only
     # the kernels' PDL variants, which a GPU launches by default (inputs here are CPU tensors)
-    import importlib
-    import pkgutil
-
     for info in pkgutil.iter_modules(ops.__path__):
         module = importlib.import_module(f"qwen4exp.ops.{info.name}")
         if info.name.endswith("_triton") and hasattr(module, "launch_options"):
