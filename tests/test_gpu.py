@@ -3,6 +3,8 @@ CPU reference path on the same weights (tests/test_parity.py shows that referenc
 installed, transformers' own CPU forward dispatches into fla's CUDA kernels, so it cannot be the reference here).
 Skipped without CUDA; run on the H200 with `python -m pytest tests/test_gpu.py`."""
 
+import copy
+
 import pytest
 import torch
 from helpers import hf_config, hf_model, our_llm, random_prompt
@@ -346,9 +348,9 @@ def test_gpu_decode_of_requests_with_images_replays_graphs_and_equals_the_cpu(tm
 @pytest.mark.parametrize("drafts", ["mtp", "half right"])
 def test_gpu_chained_speculative_steps_equal_decoding_without_them(drafts, tmp_path):
     """k = 1 with greedy requests from raw logits: steps launched before the step before them is read
-    (SpecDecoder.chain: the layout derived on the device by a CUDA graph of its own, the step and draft graphs
-    replayed on it) give decoding's tokens, with the draft layer's drafts (mostly rejected) and with drafts half right
-    (the draft layer's graph buffers run eagerly with scripted drafts, tests/test_spec_decode.py)."""
+    (SpecDecoder.chain: the layout derived on the device, then one graph of the step and its draft step 0) give
+    decoding's tokens, with the draft layer's drafts (mostly rejected) and with drafts half right (the chained steps
+    run eagerly with scripted drafts, tests/test_spec_decode.py)."""
     import random
 
     from test_spec_decode import ScriptedDraftGraphs, assert_same_outputs, serve
@@ -366,12 +368,33 @@ def test_gpu_chained_speculative_steps_equal_decoding_without_them(drafts, tmp_p
     expected = serve(LLM(d, device="cuda", **engine), requests)
     llm = LLM(d, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
     spec = llm.llm_engine.spec
-    if drafts == "half right":
+    graphs, replayed, same_drafts = llm.llm_engine.runner.graphs, [], []
+    run = graphs._run
+
+    def run_and_check(key):
+        """A chained step's graph, its drafts checked against the draft layer run eagerly on its outputs."""
+        replayed.append(key[0])
+        out = run(key)
+        if key[0] == "chained":
+            meta, _, rope_offset, _ = graphs.graph_inputs(key)
+            meta = copy.copy(meta)
+            meta.positions, meta.input_ids, meta.state_token_slots = meta.token_pos + rope_offset, out[2], None
+            rows = int(meta.query_start_loc[-2])  # the requests' rows, before the padding request's
+            eager, _ = graphs.drafter.draft_forward(meta, out[1])
+            same_drafts.append(torch.equal(eager[:rows], out[4][:rows]))
+        return out
+
+    graphs._run = run_and_check
+    if drafts == "half right":  # the chained steps' graphs hold the draft layer: they run eagerly with the script
         sequences = {rid: p + expected[rid].outputs[0].token_ids for rid, p, _ in requests}
-        spec.proposer.graphs = ScriptedDraftGraphs(llm.llm_engine, llm.llm_engine.runner.graphs, sequences)
+        spec.proposer.graphs = ScriptedDraftGraphs(llm.llm_engine, graphs, sequences)
+        graphs._run = lambda key: (replayed.append(key[0]) or graphs.graph_step(*graphs.graph_inputs(key))
+                                   if key[0] == "chained" else run(key))
     chained = []
     chain = spec.chain
     spec.chain = lambda engine, step: (lambda nxt: chained.append(nxt is not None) or nxt)(chain(engine, step))
     assert_same_outputs(serve(llm, requests), expected, requests)
     assert sum(chained) > 10, "steps must chain"
+    assert replayed.count("chained") == sum(chained), "every chained step runs its own graph"
+    assert all(same_drafts), "a chained step's graph drafts as the draft layer does from the step's tokens"
     assert llm.llm_engine.cache.all_free()

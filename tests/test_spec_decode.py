@@ -727,7 +727,10 @@ class ScriptedDraftGraphs:
         class Runner(CUDAGraphRunner):
             def _run(self, key):
                 meta = self._mixed_meta(*key[1:])
-                tokens, streams = self.forward(meta, meta.logits_indices)
+                return self.forward(meta, meta.logits_indices)
+
+            def draft_forward(self, meta, streams):  # also the draft layer's part of a chained step's graph
+                tokens, streams = super().draft_forward(meta, streams)
                 owner = {r.pages[0]: r.request_id for r in engine.scheduler.running if r.pages}
                 first_page = self.mbuf["block_tables"][:, 0][meta.token_req]
                 for t in range(meta.num_tokens):
@@ -769,6 +772,7 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
     engine = llm.llm_engine
     target = engine.runner.graphs = EagerSpeculativeGraphs(llm, 1, [1, 2, 4], 64)
     engine.spec.proposer.graphs = ScriptedDraftGraphs(engine, target, sequences)
+    target.chains = True  # its chained steps' graphs run eagerly too, with the scripted drafts
     chain, chained = engine.spec.chain, []
     engine.spec.chain = lambda eng, step: (lambda nxt: chained.append(nxt is not None) or nxt)(chain(eng, step))
     reserve, reservations = engine.scheduler.reserve, []

@@ -21,8 +21,10 @@ Speculative decoding (`speculative`, k drafts): every step returns its multi-str
 the runner captures mixed-layout graphs only, over token counts (1 + k) x the batch-size buckets (up to the step
 budget), each returning the logits of every row and the states; a step of decodes, verified requests (their state
 token slots in one more buffer, -1 elsewhere) and small prefill chunks replays the smallest that holds its tokens.
-A chained step (`execute_chained`) replays the graph of the step before it on the same buffers, advanced on the
-device (ops.verified_layout) instead of filled from the host.
+A chained step (`execute_chained`) runs on the buffers of the step before it, advanced on the device
+(ops.verified_layout) instead of filled from the host, and replays a graph of its own (`capture_chained`): the step's
+graph followed by draft step 0 over its rows, each fed the token the step emits there (its argmax), so the draft layer
+runs without a graph boundary, an ids copy or a copy of the states.
 
 The draft layer (`draft=True`, a second runner over the same buckets, sharing the target's memory pool): its steps
 are as small as the target's (draft step 0 covers every row of a step, a further draft step one row per request),
@@ -189,8 +191,11 @@ class CUDAGraphRunner:
         )
         self.draft = draft
         self.target = target
+        self.drafter: CUDAGraphRunner | None = None  # the draft layer's runner over these buffers
+        self.chains = False  # the chained steps' graphs are captured (capture_chained)
         self.ids = None
         if target is not None:
+            target.drafter = self
             # the draft layer's runner (draft=True) over the target's mixed buffers, with input ids of its own: draft
             # step 0 runs on the layout of the step just replayed (`execute_draft_on_step`), which then costs the host
             # one small copy instead of a second layout (the draft layer reads no recurrent state or n-gram context)
@@ -242,34 +247,47 @@ class CUDAGraphRunner:
             state_token_slots=b["state_token_slots"][:T] if "state_token_slots" in b and not self.draft else None,
         )
 
-    def forward(self, meta: StepMetadata, rows: torch.Tensor | None):
+    def forward(self, meta: StepMetadata, rows: torch.Tensor | None, chained: bool = False):
         """What a graph captures: the wanted logits rows (`rows`, None: all); with speculation every row's logits,
         the multi-stream states, every row's argmax and the drafts greedy verification keeps per request
-        (rejection_sampler.greedy_acceptance); for the draft layer every row's greedy draft and states."""
+        (rejection_sampler.greedy_acceptance), and for a chained step (`chained`) then the draft layer's draft at
+        every row and its states, each row fed its argmax; for the draft layer every row's greedy draft and
+        states."""
         if self.draft:  # every row's draft: draft step 0 wants several rows of a verified request
-            hidden, streams = self.model.draft(meta, self.cache, self.streams_in[: meta.num_tokens])
-            return self.model.compute_logits(hidden).argmax(-1), streams
+            return self.draft_forward(meta, self.streams_in[: meta.num_tokens])
         if self.speculative:
             hidden, streams = self.model(meta, self.cache, return_streams=True)
             logits = self.model.compute_logits(hidden)
             tokens = logits.argmax(-1)
-            return logits, streams, tokens, greedy_acceptance(tokens, meta)
+            out = (logits, streams, tokens, greedy_acceptance(tokens, meta))
+            if chained:  # the draft layer's rows: the step's, with its own input ids and no state token slots
+                draft_meta = copy.copy(meta)
+                draft_meta.input_ids, draft_meta.state_token_slots = tokens, None
+                out += self.drafter.draft_forward(draft_meta, streams)
+            return out
         hidden = self.model(meta, self.cache)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
-    def graph_inputs(self, key: tuple) -> tuple[StepMetadata, torch.Tensor | None, torch.Tensor]:
-        """The graph of `key` reads: the metadata over the buffers, its wanted rows (None: all) and its rotary
-        offsets."""
-        if key[0] == "mixed":
-            meta = self._mixed_meta(key[1], key[2])
-            return meta, meta.logits_indices, self.mbuf["rope_offset"][: key[1]]
-        return self._meta(*key), None, self.buf["rope_offset"][: key[0]]
+    def draft_forward(self, meta: StepMetadata, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft layer over a step's rows (`streams`: their multi-stream states): every row's greedy draft and
+        new states."""
+        hidden, streams = self.model.draft(meta, self.cache, streams)
+        return self.model.compute_logits(hidden).argmax(-1), streams
 
-    def graph_step(self, meta: StepMetadata, rows: torch.Tensor | None, rope_offset: torch.Tensor):
+    def graph_inputs(self, key: tuple) -> tuple[StepMetadata, torch.Tensor | None, torch.Tensor, bool]:
+        """The graph of `key` reads: the metadata over the buffers, its wanted rows (None: all), its rotary
+        offsets, and whether it is a chained step's."""
+        if key[0] in ("mixed", "chained"):
+            meta = self._mixed_meta(key[1], key[2])
+            return meta, meta.logits_indices, self.mbuf["rope_offset"][: key[1]], key[0] == "chained"
+        return self._meta(*key), None, self.buf["rope_offset"][: key[0]], False
+
+    def graph_step(self, meta: StepMetadata, rows: torch.Tensor | None, rope_offset: torch.Tensor,
+                   chained: bool = False):
         """What a graph runs: the rotary positions from the buffers (logical + offset), then `forward`."""
         meta = copy.copy(meta)  # not dataclasses.replace, which would read the unset host fields
         meta.positions = meta.token_pos + rope_offset
-        return self.forward(meta, rows)
+        return self.forward(meta, rows, chained)
 
     def _capture_one(self, key: tuple) -> None:
         inputs = self.graph_inputs(key)
@@ -287,9 +305,7 @@ class CUDAGraphRunner:
             self.pool = graph.pool()
         self.graphs[key] = (graph, logits)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        t0 = time.perf_counter()
+    def _capture_mixed(self, kind: str) -> None:
         for T, max_len in [(T, v) for T in sorted(self.mixed_sizes, reverse=True) for v in self.variants]:
             # largest first so smaller graphs reuse its pool; captured with every token in the padding request
             h = self.mstage.host()
@@ -298,7 +314,12 @@ class CUDAGraphRunner:
             self.mstage.send()
             if self.ids:
                 self.ids.send()
-            self._capture_one(("mixed", T, max_len))
+            self._capture_one((kind, T, max_len))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        self._capture_mixed("mixed")
         for n, max_len in [(n, v) for n in sorted(self.buckets, reverse=True) for v in self.variants
                            if not self.speculative]:
             self._capture_one((n, max_len))
@@ -307,8 +328,21 @@ class CUDAGraphRunner:
                     "%s) in %.1f s", len(self.graphs), " of the draft layer" if self.draft else "", self.buckets,
                     self.mixed_sizes, self.variants, time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def capture_chained(self) -> None:
+        """The chained steps' graphs (execute_chained), once the draft layer's runner is built over these buffers:
+        one a mixed-step graph, the step followed by draft step 0."""
+        assert self.speculative == 1 and self.drafter is not None, "chained steps verify one draft"
+        t0 = time.perf_counter()
+        self._capture_mixed("chained")
+        self.chains = True
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d CUDA graphs of chained steps (the step and draft step 0) in %.1f s",
+                    len(self.mixed_sizes) * len(self.variants), time.perf_counter() - t0)
+
     def _run(self, key: tuple) -> torch.Tensor:
-        """Replays the graph of `key`: (batch size, context bound) for decode, ("mixed", tokens, context bound)."""
+        """Replays the graph of `key`: (batch size, context bound) for decode, ("mixed" or "chained", tokens, context
+        bound)."""
         graph, logits = self.graphs[key]
         graph.replay()
         return logits
@@ -402,31 +436,23 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def execute_chained(self, key: tuple, num_reqs: int, pages: list[tuple[int, int, list[int]]],
                         accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor):
-        """The next step of the verified step just replayed (num_reqs requests of two rows, in its order), launched
+        """The next step of the verified step just run (num_reqs requests of two rows, in its order), launched
         before the host has read it (SpecDecoder.chain): its layout derived on the device from the step's results
         (ops.verified_layout: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read before the
-        replay overwrites them), then graph `key` replayed. pages: (request, first column, page ids) of the
-        pages the requests took since, written into their block tables first. Returns (every row's argmax, the
-        drafts each request keeps, every row's multi-stream states), views valid until the next replay."""
+        replay overwrites them), then the chained graph of `key`'s tokens and context bound replayed: the step and
+        its draft step 0. pages: (request, first column, page ids) of the pages the requests took since, written
+        into their block tables first. Returns (every row's argmax, the drafts each request keeps, every row's
+        multi-stream states, every row's draft and draft states), views valid until the next replay."""
         tables = self.mbuf["block_tables"]
         for r, first, ids in pages:
             tables[r, first: first + len(ids)].copy_(to_device(ids, self.device, torch.int32))
             self.tables["width"] = max(self.tables["width"], first + len(ids))
         advance_verified(self.mbuf, num_reqs, self.page_size, self.C if self.config.qsa else 0, accepted, emitted,
                          drafts)
-        _, streams, tokens, kept = self._run(key)
+        _, streams, tokens, kept, drafts, draft_streams = self._run(("chained", *key[1:]))
         self.last_key = key
         rows = 2 * num_reqs
-        return tokens[:rows], kept[:num_reqs], streams[:rows]
-
-    @torch.inference_mode()
-    def execute_draft_chained(self, key: tuple, streams: torch.Tensor, emitted: torch.Tensor):
-        """Draft step 0 of a chained step (execute_chained) on its buffers: row t fed the token the step emits
-        there (`emitted`, on the device). Returns as execute_draft."""
-        self.target.last_key = None
-        rows = streams.shape[0]
-        self.ids.device["input_ids"][:rows].copy_(emitted)
-        return self._run_draft(key, self.mixed_arange[:rows], streams)
+        return tokens[:rows], kept[:num_reqs], streams[:rows], drafts[:rows], draft_streams[:rows]
 
     def _fill_mixed_padding(self, h: dict[str, np.ndarray], T: int, total: int, ids: dict[str, np.ndarray]) -> None:
         """Tokens total..T-1 belong to the padding request (last row), at positions 0, 1, ... of the null page

@@ -330,12 +330,14 @@ class SpecDecoder:
         for req in sample_reqs + constrained:
             req.num_pending += 1
         # the next step can be chained to this one when every request is verified with one draft from raw logits,
-        # greedily (inside the graph) and the draft layer runs on the step's graph buffers
+        # greedily (inside the graph), the draft layer runs on the step's graph buffers and the chained steps' graphs
+        # are captured
         graphs, drafter = engine.runner.graphs, getattr(self.proposer, "graphs", None)
         chain_key = None
-        if (self.k == 1 and graphs is not None and graphs.last_key is not None and drafter is not None
-                and drafter.can_draft_on_step() and in_graph and not constrained and not keep_logits
-                and len(sample_reqs) == len(spans) and all_rows and all(len(d) == 1 for d in sample_drafts)):
+        if (self.k == 1 and graphs is not None and graphs.chains and graphs.last_key is not None
+                and drafter is not None and drafter.can_draft_on_step() and in_graph and not constrained
+                and not keep_logits and len(sample_reqs) == len(spans) and all_rows
+                and all(len(d) == 1 for d in sample_drafts)):
             chain_key = graphs.last_key
         launched, draft_rows = self._launch_draft(spans, chunks, streams, verified, constrained_sampled)
         return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, rows,
@@ -369,7 +371,7 @@ class SpecDecoder:
             longest = max(longest, r.num_computed_tokens + 2 * k1)
             reach.append(r.num_computed_tokens + 2 * k1 + self.k)
         # the graph's context bound as the host would choose it, whatever this step keeps
-        graphs, drafter = engine.runner.graphs, self.proposer.graphs
+        graphs = engine.runner.graphs
         variant = graphs.variant(longest)
         if graphs.variant(shortest) != variant:
             return None
@@ -378,9 +380,9 @@ class SpecDecoder:
             return None
         key = (*step.chain_key[:2], variant)
         emitted, accepted = step.results
-        emitted, accepted, streams = graphs.execute_chained(key, len(reqs), pages, accepted, emitted,
-                                                            step.launched.tokens)
-        launched = DraftLaunch(*drafter.execute_draft_chained(key, streams, emitted))
+        emitted, accepted, _, drafts, draft_streams = graphs.execute_chained(key, len(reqs), pages, accepted,
+                                                                             emitted, step.launched.tokens)
+        launched = DraftLaunch(drafts, draft_streams)
         verified = self.rejection.verify_greedy(emitted, accepted, [k1] * len(reqs))
         for r in reqs:
             r.num_pending += 1
