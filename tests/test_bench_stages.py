@@ -54,6 +54,8 @@ def test_spec_decode_records_acceptance_step_cost_and_projection():
     trained, dummy, projection = data["trained"], data["dummy"], data["projection"]
     assert trained["training"]["steps"] == 1 and trained["prompts"] == 2
     assert set(trained["k"]) == {"0", "1", "2"} and len(trained["k"]["0"]["tpot_ms"]) == 2
+    # k = 0 runs first and again last (the figure the speedups are taken against)
+    assert trained["k"]["0"]["first_engine_median_tpot_ms"] > 0
     for k in (1, 2):
         r = trained["k"][str(k)]
         rates = r["per_position_acceptance"]
