@@ -378,10 +378,11 @@ def test_gpu_chained_speculative_steps_equal_decoding_without_them(drafts, tmp_p
         if key[0] == "chained":
             meta, _, rope_offset, _ = graphs.graph_inputs(key)
             meta = copy.copy(meta)
-            meta.positions, meta.input_ids, meta.state_token_slots = meta.token_pos + rope_offset, out[2], None
+            streams, tokens, _, drafts, _ = out
+            meta.positions, meta.input_ids, meta.state_token_slots = meta.token_pos + rope_offset, tokens, None
             rows = int(meta.query_start_loc[-2])  # the requests' rows, before the padding request's
-            eager, _ = graphs.drafter.draft_forward(meta, out[1])
-            same_drafts.append(torch.equal(eager[:rows], out[4][:rows]))
+            eager, _ = graphs.drafter.draft_forward(meta, streams)
+            same_drafts.append(torch.equal(eager[:rows], drafts[:rows]))
         return out
 
     graphs._run = run_and_check

@@ -250,21 +250,22 @@ class CUDAGraphRunner:
     def forward(self, meta: StepMetadata, rows: torch.Tensor | None, chained: bool = False):
         """What a graph captures: the wanted logits rows (`rows`, None: all); with speculation every row's logits,
         the multi-stream states, every row's argmax and the drafts greedy verification keeps per request
-        (rejection_sampler.greedy_acceptance), and for a chained step (`chained`) then the draft layer's draft at
-        every row and its states, each row fed its argmax; for the draft layer every row's greedy draft and
-        states."""
+        (rejection_sampler.greedy_acceptance); for a chained step (`chained`) the same but the logits, then the
+        draft layer's draft at every row and its states, each row fed its argmax; for the draft layer every row's
+        greedy draft and states."""
         if self.draft:  # every row's draft: draft step 0 wants several rows of a verified request
             return self.draft_forward(meta, self.streams_in[: meta.num_tokens])
         if self.speculative:
             hidden, streams = self.model(meta, self.cache, return_streams=True)
             logits = self.model.compute_logits(hidden)
             tokens = logits.argmax(-1)
-            out = (logits, streams, tokens, greedy_acceptance(tokens, meta))
+            accepted = greedy_acceptance(tokens, meta)
             if chained:  # the draft layer's rows: the step's, with its own input ids and no state token slots
                 draft_meta = copy.copy(meta)
                 draft_meta.input_ids, draft_meta.state_token_slots = tokens, None
-                out += self.drafter.draft_forward(draft_meta, streams)
-            return out
+                # no logits: nothing reads them, and a graph's outputs keep their memory (T x vocab fp32)
+                return (streams, tokens, accepted, *self.drafter.draft_forward(draft_meta, streams))
+            return logits, streams, tokens, accepted
         hidden = self.model(meta, self.cache)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
@@ -449,7 +450,7 @@ class CUDAGraphRunner:
             self.tables["width"] = max(self.tables["width"], first + len(ids))
         advance_verified(self.mbuf, num_reqs, self.page_size, self.C if self.config.qsa else 0, accepted, emitted,
                          drafts)
-        _, streams, tokens, kept, drafts, draft_streams = self._run(("chained", *key[1:]))
+        streams, tokens, kept, drafts, draft_streams = self._run(("chained", *key[1:]))
         self.last_key = key
         rows = 2 * num_reqs
         return tokens[:rows], kept[:num_reqs], streams[:rows], drafts[:rows], draft_streams[:rows]
