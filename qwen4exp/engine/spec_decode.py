@@ -41,7 +41,9 @@ pending tokens, and the host's only wait a step is for the verification, while t
 are uniform (k = 1, every request verified greedily inside the graph, nothing else waiting), the next step is
 chained: launched before the host reads the current one, its layout derived on the device (`SpecDecoder.chain`),
 so the host's work of a step runs while the device computes the next (the step then costs the larger of the two,
-not their sum).
+not their sum); a chained step's graph runs its draft step 0 too. With k >= 2 steps are not chained: the host reads
+each verification before it launches the further draft steps and the next step, and the device waits meanwhile
+(on `small` at batch 1 that wait makes k = 2 and 3 slower than k = 1, README "When it pays").
 
 A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
 speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through
