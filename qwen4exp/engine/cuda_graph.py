@@ -442,18 +442,18 @@ class CUDAGraphRunner:
         (ops.verified_layout: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read before the
         replay overwrites them), then the chained graph of `key`'s tokens and context bound replayed: the step and
         its draft step 0. pages: (request, first column, page ids) of the pages the requests took since, written
-        into their block tables first. Returns (every row's argmax, the drafts each request keeps, every row's
-        multi-stream states, every row's draft and draft states), views valid until the next replay."""
+        into their block tables first. Returns (every row's argmax, the drafts each request keeps, every row's draft
+        and draft states), views valid until the next replay."""
         tables = self.mbuf["block_tables"]
         for r, first, ids in pages:
             tables[r, first: first + len(ids)].copy_(to_device(ids, self.device, torch.int32))
             self.tables["width"] = max(self.tables["width"], first + len(ids))
         advance_verified(self.mbuf, num_reqs, self.page_size, self.C if self.config.qsa else 0, accepted, emitted,
                          drafts)
-        streams, tokens, kept, drafts, draft_streams = self._run(("chained", *key[1:]))
+        _, tokens, kept, drafts, draft_streams = self._run(("chained", *key[1:]))
         self.last_key = key
         rows = 2 * num_reqs
-        return tokens[:rows], kept[:num_reqs], streams[:rows], drafts[:rows], draft_streams[:rows]
+        return tokens[:rows], kept[:num_reqs], drafts[:rows], draft_streams[:rows]
 
     def _fill_mixed_padding(self, h: dict[str, np.ndarray], T: int, total: int, ids: dict[str, np.ndarray]) -> None:
         """Tokens total..T-1 belong to the padding request (last row), at positions 0, 1, ... of the null page

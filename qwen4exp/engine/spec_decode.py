@@ -333,10 +333,10 @@ class SpecDecoder:
             req.num_pending += 1
         # the next step can be chained to this one when every request is verified with one draft from raw logits,
         # greedily (inside the graph), the draft layer runs on the step's graph buffers and the chained steps' graphs
-        # are captured
+        # are captured (k = 1)
         graphs, drafter = engine.runner.graphs, getattr(self.proposer, "graphs", None)
         chain_key = None
-        if (self.k == 1 and graphs is not None and graphs.chains and graphs.last_key is not None
+        if (graphs is not None and graphs.chains and graphs.last_key is not None
                 and drafter is not None and drafter.can_draft_on_step() and in_graph and not constrained
                 and not keep_logits and len(sample_reqs) == len(spans) and all_rows
                 and all(len(d) == 1 for d in sample_drafts)):
@@ -382,9 +382,9 @@ class SpecDecoder:
             return None
         key = (*step.chain_key[:2], variant)
         emitted, accepted = step.results
-        emitted, accepted, _, drafts, draft_streams = graphs.execute_chained(key, len(reqs), pages, accepted,
-                                                                             emitted, step.launched.tokens)
-        launched = DraftLaunch(drafts, draft_streams)
+        emitted, accepted, *drafted = graphs.execute_chained(key, len(reqs), pages, accepted, emitted,
+                                                             step.launched.tokens)
+        launched = DraftLaunch(*drafted)
         verified = self.rejection.verify_greedy(emitted, accepted, [k1] * len(reqs))
         for r in reqs:
             r.num_pending += 1
