@@ -170,7 +170,9 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
     if token_slots is not None:
         assert token_slots.dtype == torch.int64 and token_slots.shape[0] >= total
     # with query_start_loc, at most `total` requests bring tokens (a mixed graph has a row for every batch slot)
-    bv = block_v or _block_v((B if query_start_loc is None else min(B, max(total, 1))) * hv, dv)
+    # the interpreter runs programs one after another at Python's pace: fewest programs there
+    heads = (B if query_start_loc is None else min(B, max(total, 1))) * hv
+    bv = block_v or (dv if INTERPRETED else _block_v(heads, dv))
     assert _is_pow2(bv) and bv <= dv
 
     out = torch.empty((total, hv, dv), dtype=v.dtype, device=v.device)

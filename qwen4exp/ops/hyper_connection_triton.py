@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from ._triton_utils import launch_options, pdl_start, round_to, rounding
+from ._triton_utils import INTERPRETED, launch_options, pdl_start, round_to, rounding
 
 # products held per program (fp32 values): ~64 registers a thread at 4 warps
 _BUDGET = 8192
@@ -262,19 +262,24 @@ def supported(streams: torch.Tensor, hc: int) -> bool:
 
 def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
                   block_out=None, block_inject=None, block_rows: int | None = None, chunk: int = 512,
-                  block_h: int = 4):
+                  block_h: int | None = None):
     """Same contract as `ops.hyper_connection.hc_mix` with block_out [T, H] or None (dispatched to for `supported`
     inputs; correct for any T): returns (streams after the pending combine, block input, injection weights or None).
 
     block_rows x chunk: the W_down_inject tile of one down program (chunk is cut to a power of two dividing the
     stream width); block_h: hidden columns (of every stream) of one up program. Defaults: within noise of the
-    fastest tiles at flash-next widths on an H200; block_rows (None) is tuning.HC_DECODE_BLOCK_ROWS by width.
+    fastest tiles at flash-next widths on an H200 (block_h 4; block_rows tuning.HC_DECODE_BLOCK_ROWS by width). In
+    the interpreter, where programs run one after another and each costs Python's overhead per operation, the
+    defaults are one row block and one up program (the tiny preset, one token: 227 -> 63 ms a mix).
     """
     T, width = streams.shape
-    if block_rows is None:
-        block_rows = tuning.HC_DECODE_BLOCK_ROWS[width <= tuning.HC_DECODE_SMALL_WIDTH]
     H = width // hc
     rows = rank + (hc if inject else 0)
+    if block_rows is None:
+        block_rows = (triton.next_power_of_2(rows) if INTERPRETED
+                      else tuning.HC_DECODE_BLOCK_ROWS[width <= tuning.HC_DECODE_SMALL_WIDTH])
+    if block_h is None:
+        block_h = triton.next_power_of_2(H) if INTERPRETED else 4
     dtype, dev = streams.dtype, streams.device
     combine = block_out is not None
     bt = triton.next_power_of_2(T)

@@ -544,15 +544,20 @@ def _pair_down_kernel(
              mask=row_ok)
 
 
-def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_expert=None, block_n: int = 16,
-                 block_k: int = 256, down_block_n: int = 32, down_block_k: int = 256,
-                 num_warps: int = 4) -> torch.Tensor:
+def pairwise_moe(x, gate_up, down, topk_ids, topk_weights, shared=None, shared_expert=None,
+                 block_n: int | None = None, block_k: int = 256, down_block_n: int | None = None,
+                 down_block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
     """Same contract as fused_moe, for small batches: no sorting, three launches. `shared_expert` = (gate [N, Is],
     up [N, Is], down weight [H, Is], gate logit [N, 1]) computes the gated shared expert in the same launches
     (instead of `shared`, its precomputed output). block_* / num_warps: the tiles of one program (rows of the
-    weight x columns per step) of the gate-up and down launches."""
+    weight x columns per step) of the gate-up and down launches; rows default to 16 and 32, and in the interpreter
+    (programs one after another at Python's pace) to whole weights."""
     num_tokens, hidden = x.shape
     inter = down.shape[2]
+    if block_n is None:
+        block_n = triton.next_power_of_2(inter) if INTERPRETED else 16
+    if down_block_n is None:
+        down_block_n = triton.next_power_of_2(hidden) if INTERPRETED else 32
     top_k = topk_ids.shape[1]
     pairs = num_tokens * top_k
     ids = topk_ids.reshape(-1)

@@ -20,6 +20,8 @@ hc_mix_decode = on_device(hc_mix_decode)
     (1, 64, 16, True, {}), (3, 80, 24, True, {}), (4, 64, 16, False, {}), (2, 128, 40, True, {}),
     # several K chunks per stream and row blocks ending inside the inject rows; partial column blocks
     (2, 192, 40, True, dict(block_rows=8, chunk=64, block_h=32)), (1, 128, 20, False, dict(chunk=32, block_h=8)),
+    # the GPU's default tiles (the interpreter's default is one row block and one up program)
+    (1, 64, 16, True, dict(block_rows=16, block_h=4)), (2, 64, 16, True, dict(block_rows=8, block_h=4)),
 ])
 @pytest.mark.parametrize("pending", [False, True])
 def test_matches_reference(dtype, tokens, hidden, rank, inject, tiles, pending):

@@ -154,9 +154,12 @@ def test_grouped_moe(dtype, n, experts):
         assert _rel_err(out, ref) < 3e-2
 
 
-@pytest.mark.parametrize("n, k, e", [(1, 2, 8), (3, 3, 16), (8, 2, 4)])
-def test_pairwise_moe_matches_reference(n, k, e):
-    """The small-batch path (one program per token-expert pair, no sort) against the reference."""
+@pytest.mark.parametrize("n, k, e, tiles", [(1, 2, 8, {}), (3, 3, 16, {}), (8, 2, 4, {}),
+                                            (3, 2, 8, dict(block_n=16, down_block_n=32)),  # the GPU's defaults
+                                            (2, 2, 8, dict(block_n=32, block_k=32, down_block_n=16, down_block_k=32))])
+def test_pairwise_moe_matches_reference(n, k, e, tiles):
+    """The small-batch path (one program per token-expert pair, no sort) against the reference, its weights in one
+    tile or several (partial ones included)."""
     g = torch.Generator().manual_seed(n * 100 + k)
     h, i = 64, 48
     x = torch.randn(n, h, generator=g)
@@ -164,7 +167,7 @@ def test_pairwise_moe_matches_reference(n, k, e):
     down = torch.randn(e, h, i, generator=g) / 7
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
     weights = torch.softmax(torch.randn(n, k, generator=g), -1)
-    out = pairwise_moe(x, gate_up, down, ids, weights)
+    out = pairwise_moe(x, gate_up, down, ids, weights, **tiles)
     assert _rel_err(out, moe_experts(x, gate_up, down, ids, weights)) < 1e-4
 
 
