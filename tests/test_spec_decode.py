@@ -570,10 +570,11 @@ def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkey
 @pytest.mark.slow
 def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatch):
     """The draft layer's CUDA-graph steps (cuda_graph.py, draft=True: the mixed layout, the states copied into their
-    buffer, the greedy token of every row), executed eagerly on the metadata a graph captures (CPU: no
-    capture), propose the very drafts the eager draft layer proposes, in draft step 0 (kept rows of decodes,
-    verified requests and prefill chunks) and the further draft steps; outputs stay decoding's. With the target's
-    graphs too, draft step 0 runs on the buffers of the target's step (execute_draft_on_step)."""
+    buffer, the greedy token of every row), executed eagerly on the metadata a graph captures (CPU: no capture) with
+    the ops' GPU paths, propose the very drafts the eager draft layer proposes on the torch reference, in draft step 0
+    (kept rows of decodes, verified requests and prefill chunks) and the further draft steps; outputs stay
+    decoding's. With the target's graphs too, draft step 0 runs on the buffers of the target's step
+    (execute_draft_on_step)."""
     from qwen4exp import ops
     from qwen4exp.engine.cuda_graph import CUDAGraphRunner
 
@@ -597,13 +598,13 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
                 for i in range(4)]
     small = dict(ENGINE, num_pages=64, max_num_batched_tokens=16, max_num_seqs=4)
     expected = serve(LLM(d, **small), requests)
-    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
     proposed = {}
     for graphs in (False, True):
         llm = LLM(d, **small, speculative_config=speculative(2))
         engine = llm.llm_engine
         proposer = engine.spec.proposer
         if graphs:
+            monkeypatch.setattr(ops.settings, "fast_on_cpu", True)  # the eager drafts are the torch reference's
             # the target's graphs take every other step they could: draft step 0 then runs on the buffers of the
             # target's step, or (after an eager target step) on its own
             target = engine.runner.graphs = EagerSpeculativeGraphs(llm, 2, [1, 2, 4], 16)

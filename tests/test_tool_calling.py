@@ -336,7 +336,7 @@ def test_a_forced_choice_always_answers_valid_calls(url, tool_choice):
     body = {"messages": [USER], "tools": BOUNDED, "tool_choice": tool_choice, "n": 4, "temperature": 1.0,
             "max_tokens": 400}
     answers = set()
-    for seed in (0, 1, 2):
+    for seed in (0, 1):
         r = post(url, {**body, "seed": seed})
         assert r.status_code == 200, r.text
         choices = r.json()["choices"]
