@@ -85,7 +85,9 @@ PREFILL_ATTN_MIN_TOKENS = 512
 # (token, expert) pairs up to which each pair is one GEMV-style program (moe_triton.pairwise_moe: no sort, three
 # launches) instead of the sorted-pairs fused kernels: at decode batch sizes experts are rarely shared, and the sort
 # is a dozen small launches a layer. 96 pairs is batch 9 at top-10. fp8 experts (moe_triton.pairwise_moe_fp8) use
-# the same threshold, to be measured for them on the H200 (benchmarks/kernels/bench_fp8.py).
+# the same threshold; past it the fused fp8 kernels won on one H100 (`bench_fp8.py --only experts`, flash-next widths
+# with the shared expert, us a layer, fused / pairwise): 512 experts at 16, 32 tokens 269.8 / 291.4, 434.8 / 522.9;
+# 128 experts 192.0 / 242.9, 229.5 / 443.0.
 PAIRWISE_MAX_PAIRS = 96
 # Pairs from which the experts run through torch's grouped GEMM (CUTLASS, bf16, Hopper) over the pairs sorted by
 # expert instead of the fused Triton kernels. 4096 pairs is 410 tokens at top-10. (fp8 experts have no grouped GEMM:
