@@ -105,8 +105,10 @@ hc_prenorm = on_device(hc_prenorm)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,hidden,pending", [(1, 64, True), (5, 80, True), (3, 64, False), (2, 100, True)])
-def test_prenorm_matches_combine_then_norm(dtype, tokens, hidden, pending):
+@pytest.mark.parametrize("tokens,hidden,pending,block_tokens", [
+    (1, 64, True, None), (5, 80, True, None), (3, 64, False, None), (2, 100, True, None),
+    (5, 80, True, 1), (3, 64, False, 1), (7, 48, True, 4)])  # the GPU's one token a program; partial token blocks
+def test_prenorm_matches_combine_then_norm(dtype, tokens, hidden, pending, block_tokens):
     """The Triton pass of the mix for two tokens and up: the deferred combine and the per-stream RMSNorm, against
     the eager combine and norm. The combined streams are bitwise the eager combine's (same roundings; Triton's
     interpreter truncates every conversion to bf16 whatever the rounding mode, so there the reference truncates)."""
@@ -117,7 +119,7 @@ def test_prenorm_matches_combine_then_norm(dtype, tokens, hidden, pending):
     block_out = (torch.randn(tokens, hidden, generator=g) * 2).to(dtype) if pending else None
     inject = (torch.rand(tokens, hc, generator=g) * 2).to(dtype) if pending else None
 
-    new, normed = hc_prenorm(streams, norm_w, 1e-6, hc, block_out, inject)
+    new, normed = hc_prenorm(streams, norm_w, 1e-6, hc, block_out, inject, block_tokens=block_tokens)
     ref_new = hc_combine.eager(streams, block_out, inject) if pending else streams
     if dtype == torch.bfloat16 and not torch.cuda.is_available() and pending:
         # the eager combine's two roundings, each a truncation as the interpreter does them
