@@ -223,9 +223,15 @@ def gemv(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
          tiles: dict | None = None) -> torch.Tensor:
     """The block-scaled product of x [T, K] and wq [N, K] / scale (any T; `ops.fp8.linear` dispatches it for few
     tokens), one launch. tiles: `gemv_tiles` by default (block_n a power of two dividing 128; reduce_each_step
-    optional, default False)."""
+    optional, default False); in the interpreter, where programs run one after another at Python's cost per
+    operation, up to 128 rows a program and steps of up to 2^18 products (8192 rows of 256 columns: 14 -> 1 s)."""
     T, K = x.shape
     N = wq.shape[0]
+    if tiles is None and INTERPRETED:
+        block_n = min(GROUP, triton.next_power_of_2(N))
+        most = max(1, 2**18 // (triton.next_power_of_2(T) * block_n * GROUP))
+        tiles = dict(block_n=block_n, groups_per_step=min(triton.next_power_of_2(triton.cdiv(K, GROUP)), most),
+                     num_warps=4, reduce_each_step=True)
     t = tiles or gemv_tiles(T, N, K)
     assert GROUP % t["block_n"] == 0, "block_n must divide 128: a program's rows share one scale row"
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)

@@ -159,11 +159,14 @@ def test_quantize_kernel_is_the_reference_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,n,k,tiles,bias", [
-    (1, 256, 512, None, False),  # one step of 8 groups (4 masked), summed every step
-    (1, 8192, 256, None, False),  # the decode tiles of many rows: 8 rows, 4 groups a step
-    (1, 24, 4224, None, True),  # long rows: 16 groups a step, 33 groups (the last step mostly masked)
-    (1, 130, 200, None, True),  # ragged rows, ragged last group, bias
-    (2, 64, 384, None, False),
+    # "gpu": the GPU's default tiles for the shape (the interpreter's default is one step over whole rows)
+    (1, 256, 512, "gpu", False),  # one step of 8 groups (4 masked), summed every step
+    (1, 64, 256, dict(block_n=8, groups_per_step=4, num_warps=2), False),  # the GPU's tiles from 8192 rows
+    (1, 24, 4224, "gpu", True),  # long rows: 16 groups a step, 33 groups (the last step mostly masked)
+    (1, 130, 200, "gpu", True),  # ragged rows, ragged last group, bias
+    (2, 64, 384, "gpu", False),
+    (1, 8192, 256, None, False),  # the platform's default
+    (3, 300, 4224, None, True),
     (3, 37, 640, dict(block_n=8, groups_per_step=4, num_warps=1), False),  # 5 groups in steps of 4: the last masked
     (4, 96, 256, dict(block_n=32, groups_per_step=2, num_warps=2), True),
     (8, 24, 72, dict(block_n=16, groups_per_step=1, num_warps=4), False),
@@ -175,6 +178,7 @@ def test_gemv_matches_reference(dtype, tokens, n, k, tiles, bias):
     x = _activations(tokens, k, dtype, seed=tokens + n)
     wq, scale = _weight(n, k, seed=n + k)
     b = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) if bias else None
+    tiles = fp8_triton.gemv_tiles(tokens, n, k) if tiles == "gpu" else tiles
     got = on_device(fp8_triton.gemv)(x, wq, scale, b, tiles=tiles)
     _assert_matches_reference(got, fp8.linear_ref(x, wq, scale, b), tensor_cores=False)
 
