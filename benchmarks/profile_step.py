@@ -1,7 +1,8 @@
 """Where a step's time goes on the GPU: every kernel of a CUDA-graph decode step (batch 1 and 64) and of an eager
 prefill step (one 8k prompt) in order, with the idle gap before each, the GPU time of each decode graph replayed
 alone, and the prefill / decode split of the 64-request run (1k in / 256 out). flash-next-128e, random weights in
-bf16 (or fp8 with --quantization fp8).
+bf16 (or fp8 with --quantization fp8); --preset flash-next runs the released shape as the suite's flash_next stage
+does (fp8 n-gram table in host memory, 0.95 of the GPU's memory: an H200).
 
     python benchmarks/profile_step.py --out OUT [--parts decode,prefill,phases] [--quantization fp8]
         [--preset small] [--max-num-seqs 8] [--max-model-len 2048] [--decode-batches 1]
@@ -26,6 +27,7 @@ import time
 import torch
 
 from qwen4exp.bench.engines import dummy_engine, preset_model_config
+from qwen4exp.bench.fp8_stages import FLASH_NEXT_ENGINE
 from qwen4exp.bench.offline import random_prompts, run_requests
 from qwen4exp.bench.timing import time_per_call_us
 from qwen4exp.config import EngineConfig
@@ -200,10 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out, exist_ok=True)
     cfg = preset_model_config(args.preset)
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b <= args.max_num_seqs]
+    # the released shape as the suite's flash_next stage runs it: its fp8 n-gram table in host memory, 0.95 of the GPU
+    released = {k: FLASH_NEXT_ENGINE[k] for k in ("ple_table_device", "ple_table_dtype", "gpu_memory_utilization")}
     ecfg = EngineConfig(max_model_len=min(args.max_model_len, cfg.max_position_embeddings),
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        gpu_memory_utilization=0.92, cuda_graph_sizes=sizes, quantization=args.quantization,
-                        speculative_config=args.speculative_config)
+                        cuda_graph_sizes=sizes, quantization=args.quantization,
+                        speculative_config=args.speculative_config,
+                        **(released if args.preset == "flash-next" else dict(gpu_memory_utilization=0.92)))
     engine, startup = dummy_engine(cfg, ecfg, torch.device("cuda"))
     results = {"startup_s": startup, "device": torch.cuda.get_device_name(0), "quantization": args.quantization,
                "preset": args.preset, "speculative_config": args.speculative_config}
