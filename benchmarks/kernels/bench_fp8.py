@@ -183,9 +183,10 @@ def experts_case(bench):
                 # shared expert computed before them in each)
                 default = (base.gate_up.num_warps, base.gate_up.num_stages, base.down.block_n, base.down.num_warps,
                            base.down.num_stages)
+                # (fewer gate-up stages leave room for a second program an SM: ~35 KB of tiles a stage)
                 for gw, gs, dn, dw, ds in (default, (8, 4, 64, 4, 4), (4, 3, 64, 4, 4), (4, 5, 64, 4, 4),
-                                           (4, 4, 32, 4, 4), (4, 4, 64, 4, 3), (4, 4, 64, 4, 6), (4, 4, 128, 4, 4),
-                                           (4, 4, 128, 8, 4), (4, 4, 64, 2, 4)):
+                                           (4, 2, 64, 4, 4), (8, 3, 64, 4, 4), (4, 4, 32, 4, 4), (4, 4, 64, 4, 3),
+                                           (4, 4, 64, 4, 6), (4, 4, 128, 4, 4), (4, 4, 128, 8, 4), (4, 4, 64, 2, 4)):
                     config = moe_triton.MoEConfig(
                         block_m=base.block_m,
                         gate_up=moe_triton.Tile(block_n=128, block_k=128, group_m=base.gate_up.group_m, num_warps=gw,
