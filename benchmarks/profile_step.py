@@ -203,12 +203,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg = preset_model_config(args.preset)
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b <= args.max_num_seqs]
     # the released shape as the suite's flash_next stage runs it: its fp8 n-gram table in host memory, 0.95 of the GPU
-    released = {k: FLASH_NEXT_ENGINE[k] for k in ("ple_table_device", "ple_table_dtype", "gpu_memory_utilization")}
+    memory = ({k: FLASH_NEXT_ENGINE[k] for k in ("ple_table_device", "ple_table_dtype", "gpu_memory_utilization")}
+              if args.preset == "flash-next" else dict(gpu_memory_utilization=0.92))
     ecfg = EngineConfig(max_model_len=min(args.max_model_len, cfg.max_position_embeddings),
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         cuda_graph_sizes=sizes, quantization=args.quantization,
                         speculative_config=args.speculative_config,
-                        **(released if args.preset == "flash-next" else dict(gpu_memory_utilization=0.92)))
+                        **memory)
     engine, startup = dummy_engine(cfg, ecfg, torch.device("cuda"))
     results = {"startup_s": startup, "device": torch.cuda.get_device_name(0), "quantization": args.quantization,
                "preset": args.preset, "speculative_config": args.speculative_config}

@@ -12,7 +12,6 @@ except ImportError:
     pass
 
 
-
 def _patch_language_once_per_launch() -> None:
     """Triton's interpreter patches triton.language's modules at each launch and again at every @triton.jit helper a
     kernel calls (inspect.getmembers over them, ~1 ms a call, never undone), which makes a helper in a kernel's loop
