@@ -73,3 +73,16 @@ def test_every_answer_is_documented_and_none_is_a_5xx(api_schema, method, path):
         case.call_and_validate(headers={"Authorization": f"Bearer {KEY}"}, checks=CHECKS, timeout=60)
 
     fuzz()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": True, "max_tokens": 3}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "max_tokens": 3})])
+def test_streamed_replies_are_the_events_the_document_describes(api_schema, path, body):
+    """Every event of a streamed reply (a JSON chunk, then [DONE]) against the document's event schema: the fuzzing
+    above reaches a valid streamed request only now and then."""
+    case = api_schema[path]["POST"].Case(body=body)
+    response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+    case.validate_response(response, checks=[content_type_conformance, response_schema_conformance])

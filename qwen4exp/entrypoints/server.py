@@ -152,10 +152,17 @@ def _error_docs(*codes: int) -> dict:
     return docs
 
 
+# One server-sent event of a streamed reply (before OpenAPI 3.2 a stream's `schema` describes each event): its data
+# is a JSON chunk, or `[DONE]` last
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"anyOf": [{"const": "[DONE]"},
+                                               {"type": "string", "contentMediaType": "application/json"}]}}}
+
+
 def _streamed(model, what: str) -> dict:
     return {200: {"model": model, "description": f"{what}; with `stream: true`, server-sent events (`data: "
                                                  f"{{chunk}}` lines, then `data: [DONE]`)",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
