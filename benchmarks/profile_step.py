@@ -1,8 +1,8 @@
 """Where a step's time goes on the GPU: every kernel of a CUDA-graph decode step (batch 1 and 64) and of an eager
 prefill step (one 8k prompt) in order, with the idle gap before each, the GPU time of each decode graph replayed
-alone, and the prefill / decode split of the 64-request run (1k in / 256 out). flash-next-128e, random weights in
-bf16 (or fp8 with --quantization fp8); --preset flash-next runs the released shape as the suite's flash_next stage
-does (fp8 n-gram table in host memory, 0.95 of the GPU's memory: an H200).
+alone, and the prefill / decode split of --max-num-seqs requests at once (1k in / 256 out). flash-next-128e, random
+weights in bf16 (or fp8 with --quantization fp8); --preset flash-next runs the released shape as the suite's
+flash_next stage does (fp8 n-gram table in host memory, 0.95 of the GPU's memory: an H200).
 
     python benchmarks/profile_step.py --out OUT [--parts decode,prefill,phases] [--quantization fp8]
         [--preset small] [--max-num-seqs 8] [--max-model-len 2048] [--decode-batches 1]
@@ -142,9 +142,9 @@ def prefill_part(engine, out_dir: str, results: dict) -> None:
             engine.step()
 
 
-def phases_part(engine, results: dict) -> None:
-    """The 64 x (1024 in, 256 out) run with every step's wall time and token count recorded (synchronised after
-    each step): how much of the run prefills and how much decodes."""
+def phases_part(engine, results: dict, concurrency: int) -> None:
+    """`concurrency` requests (1024 in, 256 out) at once, every step's wall time and token count recorded
+    (synchronised after each step): how much of the run prefills and how much decodes."""
     steps = []
     execute = engine.runner.execute
 
@@ -160,12 +160,12 @@ def phases_part(engine, results: dict) -> None:
     run_requests(engine, random_prompts(4, 1024, vocab, seed=98), 4)  # warm-up, outside the record
     engine.runner.execute = timed
     try:
-        r = run_requests(engine, random_prompts(64, 1024, vocab, seed=7), 256)
+        r = run_requests(engine, random_prompts(concurrency, 1024, vocab, seed=7), 256)
     finally:
         engine.runner.execute = execute
     prefill = [s for s in steps if s[0] > s[1]]
     decode = [s for s in steps if s[0] == s[1]]
-    results["phases_c64"] = {
+    results[f"phases_c{concurrency}"] = {
         "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
         "output_tok_s": r["output_throughput"], "duration_s": r["duration_s"],
         "prefill_steps": len(prefill), "prefill_s": sum(s[2] for s in prefill),
@@ -175,7 +175,7 @@ def phases_part(engine, results: dict) -> None:
         "decode_median_step_ms": sorted(s[2] for s in decode)[len(decode) // 2] * 1e3 if decode else None,
         "decode_batch_hist": collections.Counter(s[1] for s in decode).most_common(6),
     }
-    log("phases", results["phases_c64"])
+    log("phases", results[f"phases_c{concurrency}"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         elif part == "prefill":
             prefill_part(engine, args.out, results)
         elif part == "phases":
-            phases_part(engine, results)
+            phases_part(engine, results, args.max_num_seqs)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -44,12 +44,15 @@ def test_the_feature_sections_render_nothing_without_their_results():
 
 
 def test_spec_decode_records_acceptance_step_cost_and_projection():
+    """Its two parts run as stages of their own (as on a GPU with minutes a call); the projection comes once both
+    are in the results, and the section names each part's command."""
     results = suite.Results(None)
-    feature_stages.stage_spec_decode(
-        results, CPU, log, steps=1, seconds=None, corpus_chars=200_000,
-        trained_options=dict(batch=2, seq_len=64, prompts=3, prompt_len=24, output_len=8, ks=(1, 2)),
-        dummy_options=dict(preset="tiny", engine_options=TINY_ENGINE, input_len=16, output_len=8, iters=1,
-                           concurrency=2, concurrent_input_len=16, concurrent_output_len=4, ks=(1, 2)))
+    feature_stages.stage_spec_trained(results, CPU, log, steps=1, seconds=None, corpus_chars=200_000, batch=2,
+                                      seq_len=64, prompts=3, prompt_len=24, output_len=8, ks=(1, 2))
+    assert "projection" not in results["spec_decode"]
+    feature_stages.stage_spec_dummy(results, CPU, log, preset="tiny", engine_options=TINY_ENGINE, input_len=16,
+                                    output_len=8, iters=1, concurrency=2, concurrent_input_len=16,
+                                    concurrent_output_len=4, ks=(1, 2))
     data = results["spec_decode"]
     trained, dummy, projection = data["trained"], data["dummy"], data["projection"]
     assert trained["training"]["steps"] == 1 and trained["prompts"] == 2
@@ -75,6 +78,13 @@ def test_spec_decode_records_acceptance_step_cost_and_projection():
         p = projection["k"][k]
         assert p["tok_s"] == pytest.approx(1000 * trained["k"][k]["acceptance_length"] / dummy["k"][k]["step_ms"])
         assert p["speedup_vs_k0"] == pytest.approx(p["tok_s"] / projection["k0_tok_s"])
+    results["stages"] = {"spec_trained": {"command": "qwen4exp bench suite --stages spec_trained", "commit": "abc"},
+                         "spec_dummy": {"command": "qwen4exp bench suite --stages spec_dummy", "commit": "def"}}
+    page = report.render(results, suite.RESULTS_NAME)
+    assert ("(`small`: `qwen4exp bench suite --stages spec_trained`, commit abc; `tiny`: `qwen4exp bench suite "
+            "--stages spec_dummy`, commit def)") in page
+    for part in ("trained", "dummy"):
+        data[part]["stage"] = "spec_decode"
     page = page_of(results, "spec_decode")
     ratio = f"**{dummy['k']['1']['step_over_k0']:.3f}**"
     assert f"| ... step time (TPOT x tokens per step) / decode step | <= 1.15 at k = 1 | 1.000 | {ratio} |" in page

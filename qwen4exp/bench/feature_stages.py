@@ -1,10 +1,12 @@
 """The suite's stages for speculative decoding, prefix caching, images and structured output
 (`qwen4exp bench suite --stages spec_decode,prefix_cache,vision,structured`).
 
-  spec_decode   `small` trained briefly (its MTP layer beside it), then batch-1 decode of held-out code with k = 0,
-                1, 2, 3 drafts: TPOT, acceptance, speedup (spec_trained). flash-next-128e on random bf16 weights with
-                k = 0, 1, 2: the time of a step against a plain decode step, the batch-1 speed projected at the trained
-                model's acceptance, 64 concurrent requests (1k in / 256 out) with k = 1 against k = 0 (spec_dummy).
+  spec_decode   spec_trained, then spec_dummy (each also a stage of its own: minutes apiece on an H200).
+  spec_trained  `small` trained briefly (its MTP layer beside it), then batch-1 decode of held-out code with k = 0, 1,
+                2, 3 drafts: TPOT, acceptance, speedup.
+  spec_dummy    flash-next-128e on random bf16 weights with k = 0 and 1: the time of a step against a plain decode
+                step, 64 concurrent requests (1k in / 256 out) with k = 1 against k = 0. Once both parts are in the
+                results, the batch-1 speed projected at the trained model's acceptance.
   prefix_cache  flash-next-128e, the multi-turn chat workload of bench/multi_turn.py with the prefix cache on and off.
   vision        flash-next-128e with the released vision tower: preprocessing and encoding one 1024 x 1024 image, and
                 a request with it against the same text alone and against text of the same token length.
@@ -142,22 +144,43 @@ def spec_dummy(results, device, log, preset: str = OURS_PRESET, engine_options: 
     return out
 
 
-def stage_spec_decode(results, device, log, steps: int, seconds: float | None, corpus_chars: int,
-                      trained_options: dict | None = None, dummy_options: dict | None = None) -> None:
-    """spec_trained (training first, while no engine holds the GPU's memory), then spec_dummy and the projection:
-    the batch-1 decode speed of the dummy preset if its drafts were accepted as the trained model's are, the
-    trained model's tokens per step over the dummy preset's step time (spec_dummy says why that holds)."""
-    results["spec_decode"] = {}
-    trained = spec_trained(results, device, log, steps, seconds, corpus_chars, **(trained_options or {}))
-    dummy = spec_dummy(results, device, log, **(dummy_options or {}))
+def project_spec_decode(results, log) -> None:
+    """The batch-1 decode speed of the dummy preset if its drafts were accepted as the trained model's are: the
+    trained model's tokens per step over the dummy preset's step time (spec_dummy says why that holds). Recomputed
+    whenever either part is measured, once both are in the results."""
+    data = results.get("spec_decode", {})
+    trained, dummy = data.get("trained"), data.get("dummy")
+    if not trained or not dummy:
+        return
     k0_tok_s = 1000.0 / dummy["k"]["0"]["step_ms"]
-    projection = results["spec_decode"]["projection"] = {"k0_tok_s": k0_tok_s, "k": {}}
+    projection = data["projection"] = {"k0_tok_s": k0_tok_s, "k": {}}
     for k, r in dummy["k"].items():
         if k != "0" and k in trained["k"]:
             tok_s = 1000.0 * trained["k"][k]["acceptance_length"] / r["step_ms"]
             projection["k"][k] = {"acceptance_length": trained["k"][k]["acceptance_length"], "tok_s": tok_s,
                                   "speedup_vs_k0": tok_s / k0_tok_s}
     log("spec_decode projection", projection)
+    results.save()
+
+
+def stage_spec_trained(results, device, log, steps: int, seconds: float | None, corpus_chars: int,
+                       stage: str = "spec_trained", **options) -> None:
+    spec_trained(results, device, log, steps, seconds, corpus_chars, **options)["stage"] = stage
+    project_spec_decode(results, log)
+
+
+def stage_spec_dummy(results, device, log, stage: str = "spec_dummy", **options) -> None:
+    spec_dummy(results, device, log, **options)["stage"] = stage
+    project_spec_decode(results, log)
+
+
+def stage_spec_decode(results, device, log, steps: int, seconds: float | None, corpus_chars: int,
+                      trained_options: dict | None = None, dummy_options: dict | None = None) -> None:
+    """spec_trained (training first, while no engine holds the GPU's memory), then spec_dummy and the projection.
+    The two parts also run as stages of their own (each takes minutes on an H200)."""
+    results["spec_decode"] = {}
+    stage_spec_trained(results, device, log, steps, seconds, corpus_chars, "spec_decode", **(trained_options or {}))
+    stage_spec_dummy(results, device, log, "spec_decode", **(dummy_options or {}))
 
 
 # ---- prefix_cache ----

@@ -282,6 +282,9 @@ def _spec_decode(results: dict) -> list[str]:
     t, tk, dk = trained["training"], trained["k"], dummy["k"]
     projected = {"0": {"tok_s": data["projection"]["k0_tok_s"]}} | data["projection"]["k"]
     ks = sorted(set(tk) | set(dk), key=int)
+    stages = (trained.get("stage", "spec_decode"), dummy.get("stage", "spec_decode"))
+    ran = _ran(results, stages[0]) if stages[0] == stages[1] else \
+        f"`small`: {_ran(results, stages[0])}; `{dummy['preset']}`: {_ran(results, stages[1])}"
 
     def row(what: str, target: str, part: dict, key: str, fmt: str, base: str | None = None, bold: str = "") -> str:
         """One cell per k: part[k][key], and its ratio to part["0"][base]'s."""
@@ -302,7 +305,7 @@ def _spec_decode(results: dict) -> list[str]:
             f"concurrent ({dummy['concurrent_input_len']} in / {dummy['concurrent_output_len']} out). Random "
             "weights' drafts are almost never accepted, but a step computes all 1 + k rows whatever is accepted: its "
             "time is TPOT x tokens per step, and the projection is the trained model's tokens per step over that "
-            f"time ({_ran(results, 'spec_decode')}).", "",
+            f"time ({ran}).", "",
             "| measure | target | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|---|" + "---|" * len(ks),
             row("`small` trained: median TPOT, ms", "", tk, "median_tpot_ms", "{:.2f}"),
             row("... draft tokens accepted at each position", "", tk, "per_position_acceptance", ""),

@@ -14,8 +14,9 @@ command, commit and versions that produced them, so stages may also run in separ
   fp8_128e, flash_next, agree_fp8   block-scaled fp8 (bench/fp8_stages.py): flash-next-128e in fp8 against bf16,
                   the released shape in fp8 on one GPU, and fp8's agreement with bf16 and with its CPU reference.
   spec_decode, prefix_cache, vision, structured   the features (bench/feature_stages.py): MTP speculative decoding on
-                  `small` trained briefly and on flash-next-128e, multi-turn chat with the prefix cache on and off, one
-                  1024 x 1024 image through the released vision tower, 64 requests with a quarter under a grammar.
+                  `small` trained briefly and on flash-next-128e (also as two stages, spec_trained and spec_dummy),
+                  multi-turn chat with the prefix cache on and off, one 1024 x 1024 image through the released vision
+                  tower, 64 requests with a quarter under a grammar.
                   Not run by default (about 25 minutes more on an H200): name them in --stages.
   report          docs/benchmarks.md and the concurrency plot from the results JSON (CPU only).
 """
@@ -37,10 +38,10 @@ import traceback
 DEFAULT_ORDER = ("agree_trained", "agree_fp8", "ours", "hf", "throughput_cli", "table_on_host", "fp8_128e",
                  "flash_next", "report")
 # named in --stages only: they would make the default run about 25 minutes longer
-FEATURE_STAGES = ("spec_decode", "prefix_cache", "vision", "structured")
+FEATURE_STAGES = ("spec_decode", "spec_trained", "spec_dummy", "prefix_cache", "vision", "structured")
 STAGES = DEFAULT_ORDER[:-1] + FEATURE_STAGES + DEFAULT_ORDER[-1:]
 DEFAULT_STAGES = ",".join(DEFAULT_ORDER)
-TRAINING_STAGES = ("agree_trained", "agree_fp8", "spec_decode")
+TRAINING_STAGES = ("agree_trained", "agree_fp8", "spec_decode", "spec_trained")
 RESULTS_NAME = "benchmarks_results.json"
 
 # the suite's engine: the step budget is the device's default for LLM (16384 on an H200), as a user's engine gets it
@@ -438,6 +439,11 @@ def run(args) -> dict:
             elif stage == "spec_decode":
                 feature_stages.stage_spec_decode(results, device, log, args.train_steps, args.train_seconds,
                                                  args.train_chars)
+            elif stage == "spec_trained":
+                feature_stages.stage_spec_trained(results, device, log, args.train_steps, args.train_seconds,
+                                                  args.train_chars)
+            elif stage == "spec_dummy":
+                feature_stages.stage_spec_dummy(results, device, log)
             elif stage == "prefix_cache":
                 feature_stages.stage_prefix_cache(results, device, log)
             elif stage == "vision":
