@@ -61,3 +61,26 @@ def _patch_language_once_per_launch() -> None:
 
 
 _patch_language_once_per_launch()
+
+
+def _no_overflow_checks_in_the_interpreter() -> None:
+    """Triton's interpreter checks every 32-bit integer add, sub and mul for overflow (both operands cast to 64 bits,
+    two compares and an assert), a check the GPU build makes only with debug on; it is about a quarter of an
+    engine-level test's time. At the tests' sizes no index comes near 2**31, and numpy's int32 wraps as the GPU's
+    does."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not hasattr(options, "sanitize_overflow"):
+        return
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+_no_overflow_checks_in_the_interpreter()
