@@ -5,7 +5,9 @@ widths, against the bf16 weights they replace.
            |difference| is from it), the bf16 weight as ops.linear runs it (timed only), the fp8 dispatch, and each fp8
            implementation forced: the CUDA-core GEMV (tuning.FP8_GEMV_MAX_TOKENS), the tensor-core kernel quantizing
            x itself (FP8_FUSED_QUANT_MAX_TOKENS), the quantization launch + the tensor-core kernel, the quantization
-           launch + torch's block-scaled cuBLAS GEMM (FP8_CUBLAS_MIN_TOKENS); decode and prefill token counts.
+           launch + torch's block-scaled cuBLAS GEMM (FP8_CUBLAS_MIN_TOKENS), and the tensor-core kernel with K in
+           2, 4 and 8 slices (fp32 partial products, as the blocks' output projections run: FP8_OUTPUT_SPLITS);
+           decode and prefill token counts.
   experts  the routed experts with the gated shared expert (fp8 down projection), as the model calls them
            (`moe_experts`), at 512 and 128 experts: the fp8 reference, bf16 experts dispatched (timed only), fp8
            dispatched, and the fp8 pairwise and fused kernels forced (tuning.PAIRWISE_MAX_PAIRS).
@@ -82,9 +84,19 @@ def linear_case(bench):
             if fp8_triton.cublas_layout(x, *quantized.items[0]) is not None:
                 variants.append(Variant("quantize + cuBLAS", with_tuning(
                     op, FP8_GEMV_MAX_TOKENS=0, FP8_FUSED_QUANT_MAX_TOKENS=0, FP8_CUBLAS_MIN_TOKENS=0)))
+            if 1 < tokens <= tuning.PARTIALS_MAX_TOKENS:
+                for splits in (2, 4, 8):
+                    variants.append(Variant(f"tc, K in {splits} slices", lambda s=splits: fp8.partial_products(
+                        x, *quantized.next(), s)))
             if bench.args.sweep and tokens <= 64:
                 variants += tile_variants(x, quantized, k)
-            bench.measure(case, tokens, variants, calls=calls if tokens <= 512 else 4)
+            bench.measure(case, tokens, variants, calls=calls if tokens <= 512 else 4,
+                          compare=lambda out, dtype=x.dtype: summed(out, dtype))
+
+
+def summed(out, dtype):
+    """Partial products [T, S, N] (`fp8.partial_products`) as the product their reader makes of them."""
+    return out.sum(1).to(dtype) if out.dim() == 3 else out
 
 
 def tile_variants(x, quantized, k):

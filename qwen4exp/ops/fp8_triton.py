@@ -260,29 +260,32 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
     return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "split_groups"])
 def _gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
-    stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsg, stride_ym,
+    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, split_groups,
+    stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsg, stride_ym, stride_ys,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, QUANT_A: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
 ):
-    """One [BLOCK_M, BLOCK_N] output tile. Per 128-column group: A's group (quantized here from the activations
-    when QUANT_A, else read as fp8 with its scales), the weight's [128, BLOCK_N] fp8 tile, one fp8 dot into a
-    fresh fp32 accumulator, scaled by the rows' and the columns' block scales and added: the per-group sums of the
-    rule, with tensor cores doing each group's products."""
+    """One [BLOCK_M, BLOCK_N] output tile over the `split_groups` 128-column groups of K of its split (program axis
+    1; the whole of K without splits). Per group: A's group (quantized here from the activations when QUANT_A, else
+    read as fp8 with its scales), the weight's [128, BLOCK_N] fp8 tile, one fp8 dot into a fresh fp32 accumulator,
+    scaled by the rows' and the columns' block scales and added: the per-group sums of the rule, with tensor cores
+    doing each group's products. Each split writes its own sum (y's split stride)."""
     pdl_start(PDL)
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    first = tl.program_id(1) * split_groups
+    last = tl.minimum(first + split_groups, tl.cdiv(K, _GROUP))
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, _GROUP)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + first * _GROUP + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + first * _GROUP + offs_k[:, None]
     ws_ptrs = ws_ptr + (offs_n // _GROUP) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, _GROUP)):
+    for g in range(first, last):
         if EVEN_K:
             k_ok = offs_k < _GROUP
         else:
@@ -300,6 +303,7 @@ def _gemm_kernel(
         w_ptrs += _GROUP
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
              to_dtype(acc, y_ptr.dtype.element_ty, EXACT), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -318,28 +322,37 @@ def gemm_tiles(tokens: int, n: int, k: int, quantize_in_kernel: bool) -> dict:
 
 
 def gemm(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, tiles: dict | None = None
-         ) -> torch.Tensor:
+         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, tiles: dict | None = None,
+         splits: int | None = None) -> torch.Tensor:
     """The block-scaled product on tensor cores, one launch. x [M, K]: the activations (quantized in the kernel), or,
     with x_scale [M, ceil(K/128)], already quantized fp8 values (`quantize`). Returns [M, N] in out_dtype (default
-    x's dtype). tiles: `gemm_tiles` by default."""
+    x's dtype). tiles: `gemm_tiles` by default.
+
+    splits: K's 128-column groups cut into that many slices, one program per tile and slice, and the slices' fp32
+    sums returned apart, [splits, M, N] (no bias): their sum is the product up to the order of fp32 additions. For
+    few rows and few columns, where the tiles alone leave SMs idle."""
     M, K = x.shape
     N = wq.shape[0]
     quant_a = x_scale is None
-    out_dtype = out_dtype or x.dtype
+    out_dtype = torch.float32 if splits else out_dtype or x.dtype
+    assert not (splits and bias is not None), "split products are summed by their reader, which adds no bias"
     t = tiles or gemm_tiles(M, N, K, quant_a)
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    y = torch.empty(splits or 1, M, N, dtype=out_dtype, device=x.device)
     if M == 0:
-        return y
+        return y if splits else y[0]
+    groups = triton.cdiv(K, GROUP)
+    split_groups = triton.cdiv(groups, splits or 1)
     a_scale = x_scale if x_scale is not None else scale  # never read when quantizing in the kernel
-    grid = (triton.cdiv(M, t["block_m"]) * triton.cdiv(N, t["block_n"]),)
+    grid = (triton.cdiv(M, t["block_m"]) * triton.cdiv(N, t["block_n"]), triton.cdiv(groups, split_groups))
     _gemm_kernel[grid](
-        x, a_scale, wq, scale, bias if bias is not None else y, y, M, N, K,
+        x, a_scale, wq, scale, bias if bias is not None else y, y, M, N, K, split_groups,
         x.stride(0), a_scale.stride(0), a_scale.stride(1), wq.stride(0), scale.stride(0), scale.stride(1),
-        y.stride(0), BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"], QUANT_A=quant_a,
-        EVEN_K=K % GROUP == 0, HAS_BIAS=bias is not None, EXACT=INTERPRETED, num_warps=t["num_warps"],
-        num_stages=t["num_stages"], **launch_options(x))
-    return y
+        y.stride(1), y.stride(0), BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
+        QUANT_A=quant_a, EVEN_K=K % GROUP == 0, HAS_BIAS=bias is not None, EXACT=INTERPRETED,
+        num_warps=t["num_warps"], num_stages=t["num_stages"], **launch_options(x))
+    if splits and grid[1] < splits:  # more slices asked for than K has groups: the rest are empty
+        y[grid[1]:] = 0
+    return y if splits else y[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

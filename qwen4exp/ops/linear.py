@@ -9,7 +9,8 @@ outputs (the weights of `model.merged_linear.MergedLinear`).
 
 `output_linear` is `linear` for the blocks' output projections (GDN out_proj, attention o_proj), whose only reader
 is the next hyper-connection mix: at 2 to tuning.PARTIALS_MAX_TOKENS tokens on the GPU it returns fp32 partial products
-(`partial_products`) that the mix's combine sums, in place of cuBLAS's split-K GEMM and its reduce kernel.
+(`partial_products`) that the mix's combine sums, in place of cuBLAS's split-K GEMM and its reduce kernel; fp8
+weights likewise past the fp8 GEMV's reach (`ops.fp8.partial_products`, tuning.FP8_OUTPUT_SPLITS slices of K).
 
 `fp32_out_linear` (the lm_head) keeps the GEMM's fp32 accumulator instead of rounding it to the operands' dtype.
 """
@@ -63,9 +64,15 @@ def output_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (`ops.hyper_connection.hc_mix`, which takes either form): [T, N] in x's dtype, or on the GPU from 2 tokens past
     the GEMV's reach (`gemv_max_tokens`) to tuning.PARTIALS_MAX_TOKENS the product as tuning.OUTPUT_SPLITS fp32 partial
     products [T, splits, N]."""
+    if weight.dtype == fp8.FP8:
+        if (bias is None and x.dim() == 2 and tuning.FP8_OUTPUT_SPLITS > 1
+                and tuning.FP8_GEMV_MAX_TOKENS < x.shape[0] <= tuning.PARTIALS_MAX_TOKENS):
+            partials = fp8.partial_products(x, weight, scale, tuning.FP8_OUTPUT_SPLITS)
+            if partials is not None:
+                return partials
+        return linear(x, weight, bias, scale)
     splits = tuning.OUTPUT_SPLITS
-    if (bias is None and weight.dtype != fp8.FP8 and fast_path(x)
-            and max(1, gemv_max_tokens(weight)) < x.shape[0] <= tuning.PARTIALS_MAX_TOKENS
+    if (bias is None and fast_path(x) and max(1, gemv_max_tokens(weight)) < x.shape[0] <= tuning.PARTIALS_MAX_TOKENS
             and x.is_contiguous() and x.shape[1] % splits == 0):
         return partial_products(x, weight, splits)
     return linear(x, weight, bias, scale)

@@ -49,6 +49,12 @@ FP8_FUSED_QUANT_MAX_TOKENS = 16
 # 8192 (1,250 TFLOP/s), so its fixed cost is paid back only at prefill sizes.
 FP8_CUBLAS_MIN_TOKENS = 1024
 
+# Slices of K in which the blocks' fp8 output projections (GDN out_proj, attention o_proj, [2560, 6144]) run from
+# FP8_GEMV_MAX_TOKENS + 1 to PARTIALS_MAX_TOKENS tokens, as fp32 partial products the next mix's combine sums
+# (`fp8.partial_products`; 1: one whole product). Their 2560 rows make 80 column tiles of 32, fewer programs than
+# SMs: flash-next-128e's 32-token fp8 decode step on one H100 ran them at 20.8 us a call, ~5 us of weight reads.
+FP8_OUTPUT_SPLITS = 4
+
 # ---- hyper-connections (ops.hyper_connection) ----
 
 # Tokens up to which the mix runs as two Triton launches (hyper_connection_triton.hc_mix_decode) instead of the

@@ -216,6 +216,54 @@ def test_gemm_matches_reference(dtype, quantized_first, tokens, n, k, tiles, bia
     _assert_matches_reference(on_device(run)(x, wq, scale, b), fp8.linear_ref(x, wq, scale, b), tensor_cores=True)
 
 
+@pytest.mark.parametrize("quantized_first", [False, True])
+@pytest.mark.parametrize("tokens,n,k,splits", [
+    (2, 96, 640, 4),  # 5 groups in slices of 2, 2, 1
+    (20, 64, 512, 2),
+    (3, 40, 200, 4),  # 2 groups, a ragged last one: two slices empty
+])
+def test_gemm_split_products_sum_to_the_reference(quantized_first, tokens, n, k, splits):
+    """K cut into slices of 128-column groups: fp32 partial products [splits, M, N] whose sum, rounded to the
+    activations' dtype (as the reading combine rounds it), is the product."""
+    x = _activations(tokens, k, torch.bfloat16, seed=tokens + k)
+    wq, scale = _weight(n, k, seed=n)
+
+    def run(x, wq, scale):
+        if quantized_first:
+            xq, sx = fp8_triton.quantize(x)
+            return fp8_triton.gemm(xq, wq, scale, x_scale=sx, splits=splits)
+        return fp8_triton.gemm(x, wq, scale, splits=splits)
+    parts = on_device(run)(x, wq, scale)
+    assert parts.shape == (splits, tokens, n) and parts.dtype == torch.float32
+    groups = -(-k // 128)
+    assert torch.all(parts[-(-groups // -(-groups // splits)):] == 0)  # slices past K's groups
+    _assert_matches_reference(parts.sum(0).to(x.dtype), fp8.linear_ref(x, wq, scale), tensor_cores=True)
+
+
+def test_output_projections_give_partial_products_past_the_gemv(monkeypatch):
+    """A block's fp8 output projection (ops.linear.output_linear) on the fast path: the GEMV's output at one token,
+    FP8_OUTPUT_SPLITS partial products [T, S, N] from two tokens to PARTIALS_MAX_TOKENS, whose sum is the product;
+    a plain product past it and off the fast path."""
+    from qwen4exp.ops.linear import output_linear
+
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
+    monkeypatch.setattr(tuning, "PARTIALS_MAX_TOKENS", 8)
+    wq, scale = (t.to(DEV) for t in _weight(48, 512, seed=5))
+    for tokens, parts in ((1, None), (2, tuning.FP8_OUTPUT_SPLITS), (8, tuning.FP8_OUTPUT_SPLITS), (9, None)):
+        x = _activations(tokens, 512, torch.bfloat16, tokens).to(DEV)
+        got = output_linear(x, wq, scale=scale)
+        want = fp8.linear_ref(x, wq, scale)
+        if parts is None:
+            assert got.shape == (tokens, 48)
+        else:
+            assert got.shape == (tokens, parts, 48) and got.dtype == torch.float32
+            got = got.sum(1).to(x.dtype)
+        _assert_matches_reference(got, want, tensor_cores=tokens > 1)
+    monkeypatch.setattr(ops.settings, "fast_on_cpu", False)
+    if not ON_GPU:
+        assert output_linear(x[:2], wq, scale=scale).shape == (2, 48)
+
+
 def test_supported_shapes():
     x = torch.zeros(3, 256, dtype=torch.bfloat16)
     wq, scale = _weight(40, 256, seed=0)
