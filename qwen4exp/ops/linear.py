@@ -10,7 +10,7 @@ outputs (the weights of `model.merged_linear.MergedLinear`).
 `output_linear` is `linear` for the blocks' output projections (GDN out_proj, attention o_proj), whose only reader
 is the next hyper-connection mix: at 2 to tuning.PARTIALS_MAX_TOKENS tokens on the GPU it returns fp32 partial products
 (`partial_products`) that the mix's combine sums, in place of cuBLAS's split-K GEMM and its reduce kernel; fp8
-weights likewise past the fp8 GEMV's reach (`ops.fp8.partial_products`, tuning.FP8_OUTPUT_SPLITS slices of K).
+weights likewise past the fp8 GEMV's reach when tuning.FP8_OUTPUT_SPLITS is above 1 (`ops.fp8.partial_products`).
 
 `fp32_out_linear` (the lm_head) keeps the GEMM's fp32 accumulator instead of rounding it to the operands' dtype.
 """

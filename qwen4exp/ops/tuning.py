@@ -51,9 +51,10 @@ FP8_CUBLAS_MIN_TOKENS = 1024
 
 # Slices of K in which the blocks' fp8 output projections (GDN out_proj, attention o_proj, [2560, 6144]) run from
 # FP8_GEMV_MAX_TOKENS + 1 to PARTIALS_MAX_TOKENS tokens, as fp32 partial products the next mix's combine sums
-# (`fp8.partial_products`; 1: one whole product). Their 2560 rows make 80 column tiles of 32, fewer programs than
-# SMs: flash-next-128e's 32-token fp8 decode step on one H100 ran them at 20.8 us a call, ~5 us of weight reads.
-FP8_OUTPUT_SPLITS = 4
+# (`fp8.partial_products`); 1: one whole product. Their 2560 rows make 80 column tiles of 32, fewer programs than
+# SMs: flash-next-128e's 32-token fp8 decode step on one H100 ran them whole at 20.8 us a call, for ~5 us of weight
+# reads. 1 until slices are timed on a GPU (`bench_fp8.py --only linear` times 2, 4 and 8).
+FP8_OUTPUT_SPLITS = 1
 
 # ---- hyper-connections (ops.hyper_connection) ----
 

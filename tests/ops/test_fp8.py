@@ -241,15 +241,16 @@ def test_gemm_split_products_sum_to_the_reference(quantized_first, tokens, n, k,
 
 
 def test_output_projections_give_partial_products_past_the_gemv(monkeypatch):
-    """A block's fp8 output projection (ops.linear.output_linear) on the fast path: the GEMV's output at one token,
-    FP8_OUTPUT_SPLITS partial products [T, S, N] from two tokens to PARTIALS_MAX_TOKENS, whose sum is the product;
-    a plain product past it and off the fast path."""
+    """A block's fp8 output projection (ops.linear.output_linear) on the fast path, with FP8_OUTPUT_SPLITS = 4: the
+    GEMV's output at one token, 4 partial products [T, 4, N] from two tokens to PARTIALS_MAX_TOKENS, whose sum is
+    the product; a plain product past it, off the fast path, and with FP8_OUTPUT_SPLITS = 1."""
     from qwen4exp.ops.linear import output_linear
 
     monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
     monkeypatch.setattr(tuning, "PARTIALS_MAX_TOKENS", 8)
+    monkeypatch.setattr(tuning, "FP8_OUTPUT_SPLITS", 4)
     wq, scale = (t.to(DEV) for t in _weight(48, 512, seed=5))
-    for tokens, parts in ((1, None), (2, tuning.FP8_OUTPUT_SPLITS), (8, tuning.FP8_OUTPUT_SPLITS), (9, None)):
+    for tokens, parts in ((1, None), (2, 4), (8, 4), (9, None)):
         x = _activations(tokens, 512, torch.bfloat16, tokens).to(DEV)
         got = output_linear(x, wq, scale=scale)
         want = fp8.linear_ref(x, wq, scale)
@@ -259,6 +260,9 @@ def test_output_projections_give_partial_products_past_the_gemv(monkeypatch):
             assert got.shape == (tokens, parts, 48) and got.dtype == torch.float32
             got = got.sum(1).to(x.dtype)
         _assert_matches_reference(got, want, tensor_cores=tokens > 1)
+    monkeypatch.setattr(tuning, "FP8_OUTPUT_SPLITS", 1)
+    assert output_linear(x[:2], wq, scale=scale).shape == (2, 48)
+    monkeypatch.setattr(tuning, "FP8_OUTPUT_SPLITS", 4)
     monkeypatch.setattr(ops.settings, "fast_on_cpu", False)
     if not ON_GPU:
         assert output_linear(x[:2], wq, scale=scale).shape == (2, 48)
