@@ -265,17 +265,22 @@ def _gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, split_groups,
     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsg, stride_ym, stride_ys,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, QUANT_A: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
 ):
-    """One [BLOCK_M, BLOCK_N] output tile over the `split_groups` 128-column groups of K of its split (program axis
-    1; the whole of K without splits). Per group: A's group (quantized here from the activations when QUANT_A, else
-    read as fp8 with its scales), the weight's [128, BLOCK_N] fp8 tile, one fp8 dot into a fresh fp32 accumulator,
-    scaled by the rows' and the columns' block scales and added: the per-group sums of the rule, with tensor cores
-    doing each group's products. Each split writes its own sum (y's split stride)."""
+    """One [BLOCK_M, BLOCK_N] output tile over the whole of K, or with SPLIT over the `split_groups` 128-column
+    groups of K of its split (program axis 1). Per group: A's group (quantized here from the activations when
+    QUANT_A, else read as fp8 with its scales), the weight's [128, BLOCK_N] fp8 tile, one fp8 dot into a fresh fp32
+    accumulator, scaled by the rows' and the columns' block scales and added: the per-group sums of the rule, with
+    tensor cores doing each group's products. Each split writes its own sum (y's split stride)."""
     pdl_start(PDL)
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    first = tl.program_id(1) * split_groups
-    last = tl.minimum(first + split_groups, tl.cdiv(K, _GROUP))
+    if SPLIT:  # (apart, so the whole product's loop keeps its 4 fewer instructions a step)
+        first = tl.program_id(1) * split_groups
+        last = tl.minimum(first + split_groups, tl.cdiv(K, _GROUP))
+        y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
+    else:
+        first = 0
+        last = tl.cdiv(K, _GROUP)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, _GROUP)
@@ -303,7 +308,6 @@ def _gemm_kernel(
         w_ptrs += _GROUP
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
              to_dtype(acc, y_ptr.dtype.element_ty, EXACT), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -348,7 +352,7 @@ def gemm(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         x, a_scale, wq, scale, bias if bias is not None else y, y, M, N, K, split_groups,
         x.stride(0), a_scale.stride(0), a_scale.stride(1), wq.stride(0), scale.stride(0), scale.stride(1),
         y.stride(1), y.stride(0), BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
-        QUANT_A=quant_a, EVEN_K=K % GROUP == 0, HAS_BIAS=bias is not None, EXACT=INTERPRETED,
+        QUANT_A=quant_a, EVEN_K=K % GROUP == 0, HAS_BIAS=bias is not None, SPLIT=bool(splits), EXACT=INTERPRETED,
         num_warps=t["num_warps"], num_stages=t["num_stages"], **launch_options(x))
     if splits and grid[1] < splits:  # more slices asked for than K has groups: the rest are empty
         y[grid[1]:] = 0
