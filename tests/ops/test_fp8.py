@@ -157,6 +157,18 @@ def test_quantize_kernel_is_the_reference_bit_for_bit():
         assert torch.all(q[8:].float() == 0) and torch.all(s[8:] == 1)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="compares the GPU's torch with the CPU's")
+def test_reference_quantization_is_the_same_on_the_gpu():
+    """The torch rule run on the GPU (quantize-on-load, the reference) gives the CPU's scales and values bit for bit:
+    scales are IEEE quotients there too, not multiplies by a rounded 1/448."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 1000, 300, generator=g)  # leading expert dim, ragged blocks
+    x = _activations(64, 300, torch.float32, 4)
+    for (q, s), (qd, sd) in ((fp8.quantize_weight(w), fp8.quantize_weight(w.cuda())),
+                             (fp8.quantize_activations(x), fp8.quantize_activations(x.cuda()))):
+        assert torch.equal(s, sd.cpu()) and torch.equal(q.view(torch.uint8), qd.cpu().view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,n,k,tiles,bias", [
     # "gpu": the GPU's default tiles for the shape (the interpreter's default is one step over whole rows)
