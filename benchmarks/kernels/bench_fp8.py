@@ -3,11 +3,10 @@ widths, against the bf16 weights they replace.
 
   linear   every fp8 projection of the released model: the torch reference (first column: the others' max
            |difference| is from it), the bf16 weight as ops.linear runs it (timed only), the fp8 dispatch, and each fp8
-           implementation forced: the CUDA-core GEMV (tuning.FP8_GEMV_MAX_TOKENS), the tensor-core kernel quantizing
-           x itself (FP8_FUSED_QUANT_MAX_TOKENS), the quantization launch + the tensor-core kernel, the quantization
-           launch + torch's block-scaled cuBLAS GEMM (FP8_CUBLAS_MIN_TOKENS), and the tensor-core kernel with K in
-           2, 4 and 8 slices (fp32 partial products, as the blocks' output projections run: FP8_OUTPUT_SPLITS);
-           decode and prefill token counts.
+           implementation forced: the CUDA-core GEMV (tuning.FP8_GEMV_MAX_TOKENS), the quantization launch + the
+           tensor-core kernel, the quantization launch + torch's block-scaled cuBLAS GEMM (FP8_CUBLAS_MIN_TOKENS),
+           and the tensor-core kernel with K in 2, 4 and 8 slices (fp32 partial products, as the blocks' output
+           projections run: FP8_OUTPUT_SPLITS); decode and prefill token counts.
   experts  the routed experts with the gated shared expert (fp8 down projection), as the model calls them
            (`moe_experts`), at 512 and 128 experts: the fp8 reference, bf16 experts dispatched (timed only), fp8
            dispatched, and the fp8 pairwise and fused kernels forced (tuning.PAIRWISE_MAX_PAIRS).
@@ -57,7 +56,7 @@ def timing_only(fn):
 
 def linear_case(bench):
     tokens_list = DECODE_TOKENS + PREFILL_TOKENS + around(tuning.FP8_GEMV_MAX_TOKENS) \
-        + around(tuning.FP8_FUSED_QUANT_MAX_TOKENS) + around(tuning.FP8_CUBLAS_MIN_TOKENS)
+        + around(tuning.FP8_CUBLAS_MIN_TOKENS)
     for name, n, k, calls in fp8_projections(bench.widths):
         bf16 = bench.rotation(bench.copies(lambda: bench.weight(n, k), n * k * 2, calls))
         quantized = bench.rotation(bench.copies(lambda: quantized_weight(bench, n, k), n * k, calls))
@@ -75,15 +74,11 @@ def linear_case(bench):
             ]
             if tokens <= 8:
                 variants.append(Variant("GEMV", with_tuning(op, FP8_GEMV_MAX_TOKENS=NEVER)))
-            if tokens <= 128:
-                variants.append(Variant("tc, quantized inside", with_tuning(
-                    op, FP8_GEMV_MAX_TOKENS=0, FP8_FUSED_QUANT_MAX_TOKENS=NEVER)))
-            if tokens > 1:
-                variants.append(Variant("quantize + tc", with_tuning(
-                    op, FP8_GEMV_MAX_TOKENS=0, FP8_FUSED_QUANT_MAX_TOKENS=0, FP8_CUBLAS_MIN_TOKENS=NEVER)))
+            variants.append(Variant("quantize + tc", with_tuning(
+                op, FP8_GEMV_MAX_TOKENS=0, FP8_CUBLAS_MIN_TOKENS=NEVER)))
             if fp8_triton.cublas_layout(x, *quantized.items[0]) is not None:
                 variants.append(Variant("quantize + cuBLAS", with_tuning(
-                    op, FP8_GEMV_MAX_TOKENS=0, FP8_FUSED_QUANT_MAX_TOKENS=0, FP8_CUBLAS_MIN_TOKENS=0)))
+                    op, FP8_GEMV_MAX_TOKENS=0, FP8_CUBLAS_MIN_TOKENS=0)))
             if 1 < tokens <= tuning.PARTIALS_MAX_TOKENS:
                 for splits in (2, 4, 8):
                     variants.append(Variant(f"tc, K in {splits} slices", lambda s=splits: fp8.partial_products(
@@ -100,7 +95,7 @@ def summed(out, dtype):
 
 
 def tile_variants(x, quantized, k):
-    """The GEMV (up to 4 tokens) and the tensor-core kernel quantizing x itself at other tiles than the defaults."""
+    """The GEMV (up to 4 tokens) and the tensor-core kernel at other tiles than the defaults."""
     tokens = x.shape[0]
     variants = []
     if tokens <= 4:
@@ -115,12 +110,13 @@ def tile_variants(x, quantized, k):
                 tiles = dict(block_n=block_n, groups_per_step=g, num_warps=warps, reduce_each_step=each)
                 variants.append(Variant(f"GEMV {block_n}r{g}g{warps}w{'s' if each else ''}",
                                         lambda t=tiles: fp8_triton.gemv(x, *quantized.next(), tiles=t)))
+    xq, sx = fp8_triton.quantize(x)  # (the quantization launch, apart from the tiles timed)
     block_m = max(16, triton.next_power_of_2(tokens))
-    for block_n in (32, 64, 128):
+    for block_n in (16, 32, 64, 128):
         for stages in (3, 4, 6):
             tiles = dict(block_m=block_m, block_n=block_n, group_m=1, num_warps=4, num_stages=stages)
             variants.append(Variant(f"tc {block_n}c{stages}s", lambda t=tiles: fp8_triton.gemm(
-                x, *quantized.next(), tiles=t)))
+                xq, sx, *quantized.next(), out_dtype=x.dtype, tiles=t)))
     return variants
 
 

@@ -14,8 +14,8 @@ every row block belongs to one part.
 
 `linear` dispatches on the GPU (thresholds in `ops.tuning`, kernels in fp8_triton.py):
   up to FP8_GEMV_MAX_TOKENS          one Triton launch on CUDA cores (`fp8_triton.gemv`), x quantized in the kernel;
-  up to FP8_FUSED_QUANT_MAX_TOKENS   one Triton launch on tensor cores (`fp8_triton.gemm`), x quantized in the kernel;
-  below FP8_CUBLAS_MIN_TOKENS        x quantized in its own launch (`fp8_triton.quantize`), then `fp8_triton.gemm`;
+  below FP8_CUBLAS_MIN_TOKENS        x quantized in its own launch (`fp8_triton.quantize`), then the tensor-core
+                                     kernel (`fp8_triton.gemm`);
   from FP8_CUBLAS_MIN_TOKENS         the quantization launch and torch's block-scaled cuBLAS GEMM
                                      (`fp8_triton.cublas_gemm`) where torch and the GPU support it, else the above.
 `partial_products` is the tensor-core form with K cut into slices whose fp32 sums its reader adds up (the blocks'
@@ -106,24 +106,20 @@ def linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.T
     tokens = x.shape[0]
     if tokens <= tuning.FP8_GEMV_MAX_TOKENS:
         return fp8_triton.gemv(x, wq, scale, bias)
-    if tokens <= tuning.FP8_FUSED_QUANT_MAX_TOKENS:
-        return fp8_triton.gemm(x, wq, scale, bias)
     if tokens >= tuning.FP8_CUBLAS_MIN_TOKENS and bias is None:
         layout = fp8_triton.cublas_layout(x, wq, scale)
         if layout is not None:
             return fp8_triton.cublas_gemm(x, wq, scale, layout)
     xq, sx = fp8_triton.quantize(x)
-    return fp8_triton.gemm(xq, wq, scale, bias, x_scale=sx, out_dtype=x.dtype)
+    return fp8_triton.gemm(xq, sx, wq, scale, bias, out_dtype=x.dtype)
 
 
 def partial_products(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, splits: int) -> torch.Tensor | None:
     """`linear` without bias as `splits` fp32 partial products over slices of K's 128-column groups, [T, splits, N]
     (a view of [splits, T, N]), for a reader that sums them (`ops.linear.output_linear`): their sum is the rule's
-    fp32 value up to the order of its additions. One tensor-core launch (x quantized in it up to
-    FP8_FUSED_QUANT_MAX_TOKENS tokens, else in a launch of its own); None where the kernels do not apply."""
+    fp32 value up to the order of its additions. The quantization launch and one tensor-core launch; None where the
+    kernels do not apply."""
     if not (HAS_TRITON and fast_path(x) and fp8_triton.supported(x, wq, scale)):
         return None
-    if x.shape[0] <= tuning.FP8_FUSED_QUANT_MAX_TOKENS:
-        return fp8_triton.gemm(x, wq, scale, splits=splits).transpose(0, 1)
     xq, sx = fp8_triton.quantize(x)
-    return fp8_triton.gemm(xq, wq, scale, x_scale=sx, splits=splits).transpose(0, 1)
+    return fp8_triton.gemm(xq, sx, wq, scale, splits=splits).transpose(0, 1)

@@ -8,10 +8,10 @@ and 128-column group (s = amax / 448, q = fp8(x / s), nearest even), products su
                   L1/L2; each weight byte is read once (evict-first).
   gemm            tensor cores (tl.dot on fp8 operands, fp32 accumulators): per 128-column group one fp8 dot into a
                   fresh accumulator, scaled by the token's and the weight block's scales and added. At up to 64
-                  tokens one row tile holds every token, so the weight is read once. The activations are either
-                  quantized in the kernel (small batches: one launch) or read already quantized (`quantize`).
-  quantize        per-token-group quantization as its own launch, for large steps: the fp8 activations and their
-                  scales, laid out for `gemm` or for cuBLAS.
+                  tokens one row tile holds every token, so the weight is read once. The activations come already
+                  quantized (`quantize`).
+  quantize        per-token-group quantization as its own launch: the fp8 activations and their scales, laid out
+                  for `gemm` or for cuBLAS.
   cublas_gemm     `quantize` + torch's block-scaled cuBLAS GEMM (`torch.nn.functional.scaled_mm`, DeepSeek's 1 x 128
                   activation / 128 x 128 weight scales), for prefill sizes where the library supports it.
 
@@ -264,12 +264,12 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 def _gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, split_groups,
     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsg, stride_ym, stride_ys,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, QUANT_A: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
 ):
     """One [BLOCK_M, BLOCK_N] output tile over the whole of K, or with SPLIT over the `split_groups` 128-column
-    groups of K of its split (program axis 1). Per group: A's group (quantized here from the activations when
-    QUANT_A, else read as fp8 with its scales), the weight's [128, BLOCK_N] fp8 tile, one fp8 dot into a fresh fp32
+    groups of K of its split (program axis 1). Per group: A's fp8 group (`quantize`) and its scales, the weight's
+    [128, BLOCK_N] fp8 tile, one fp8 dot into a fresh fp32
     accumulator, scaled by the rows' and the columns' block scales and added: the per-group sums of the rule, with
     tensor cores doing each group's products. Each split writes its own sum (y's split stride)."""
     pdl_start(PDL)
@@ -295,12 +295,8 @@ def _gemm_kernel(
             k_ok = offs_k < _GROUP
         else:
             k_ok = offs_k < K - g * _GROUP
-        if QUANT_A:
-            x = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            a, sa = quantize_groups(x, 1, EXACT)
-        else:
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            sa = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)[:, None]
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        sa = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)[:, None]
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         sw = tl.load(ws_ptrs + g * stride_wsg, mask=n_ok, other=0.0)
         acc += tl.dot(a, w) * (sa * sw[None, :])
@@ -312,48 +308,48 @@ def _gemm_kernel(
              to_dtype(acc, y_ptr.dtype.element_ty, EXACT), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemm_tiles(tokens: int, n: int, k: int, quantize_in_kernel: bool) -> dict:
+def gemm_tiles(tokens: int) -> dict:
     """Tiles from static shapes only. Up to 64 tokens one row tile holds them all (the weight is read once), and the
     column tiles are narrow enough to give every SM programs; past that, prefill-shaped tiles with grouped row
-    order. To be measured on the H200 (benchmarks/kernels/bench_fp8.py)."""
+    order."""
     if tokens <= 64:
-        block_m = max(16, triton.next_power_of_2(tokens))
-        # quantizing in the kernel repeats the activations' work in every column tile: wider tiles do it less often
-        block_n = 64 if quantize_in_kernel and n >= 8192 else 32
-        return dict(block_m=block_m, block_n=block_n, group_m=1, num_warps=4, num_stages=4)
+        return dict(block_m=max(16, triton.next_power_of_2(tokens)), block_n=32, group_m=1, num_warps=4, num_stages=4)
     return dict(block_m=64 if tokens <= 256 else 128, block_n=128, group_m=8, num_warps=8 if tokens > 256 else 4,
                 num_stages=4)
 
 
-def gemm(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, tiles: dict | None = None,
+def gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+         bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, tiles: dict | None = None,
          splits: int | None = None) -> torch.Tensor:
-    """The block-scaled product on tensor cores, one launch. x [M, K]: the activations (quantized in the kernel), or,
-    with x_scale [M, ceil(K/128)], already quantized fp8 values (`quantize`). Returns [M, N] in out_dtype (default
-    x's dtype). tiles: `gemm_tiles` by default.
+    """The block-scaled product on tensor cores, one launch, of activations already quantized (`quantize`: xq [M, K]
+    fp8, x_scale [M, ceil(K/128)]) by wq [N, K] / scale. Returns [M, N] in out_dtype. tiles: `gemm_tiles` by
+    default.
+
+    Quantizing the activations inside this kernel instead (one launch less) was slower at every size: each column
+    tile repeats the quantization of its rows before its first dot. One H100, 2 tokens, us a call, quantized
+    inside / quantize launch + this kernel: [16480, 2560] 26.8 / 18.7, [2560, 6144] 40.5 / 17.4, [1280, 2560]
+    19.2 / 8.7; at 16 tokens 22.3 / 19.0, 28.0 / 17.5, 12.7 / 8.7.
 
     splits: K's 128-column groups cut into that many slices, one program per tile and slice, and the slices' fp32
     sums returned apart, [splits, M, N] (no bias): their sum is the product up to the order of fp32 additions. For
     few rows and few columns, where the tiles alone leave SMs idle."""
-    M, K = x.shape
+    M, K = xq.shape
     N = wq.shape[0]
-    quant_a = x_scale is None
-    out_dtype = torch.float32 if splits else out_dtype or x.dtype
+    out_dtype = torch.float32 if splits else out_dtype
     assert not (splits and bias is not None), "split products are summed by their reader, which adds no bias"
-    t = tiles or gemm_tiles(M, N, K, quant_a)
-    y = torch.empty(splits or 1, M, N, dtype=out_dtype, device=x.device)
+    t = tiles or gemm_tiles(M)
+    y = torch.empty(splits or 1, M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return y if splits else y[0]
     groups = triton.cdiv(K, GROUP)
     split_groups = triton.cdiv(groups, splits or 1)
-    a_scale = x_scale if x_scale is not None else scale  # never read when quantizing in the kernel
     grid = (triton.cdiv(M, t["block_m"]) * triton.cdiv(N, t["block_n"]), triton.cdiv(groups, split_groups))
     _gemm_kernel[grid](
-        x, a_scale, wq, scale, bias if bias is not None else y, y, M, N, K, split_groups,
-        x.stride(0), a_scale.stride(0), a_scale.stride(1), wq.stride(0), scale.stride(0), scale.stride(1),
+        xq, x_scale, wq, scale, bias if bias is not None else y, y, M, N, K, split_groups,
+        xq.stride(0), x_scale.stride(0), x_scale.stride(1), wq.stride(0), scale.stride(0), scale.stride(1),
         y.stride(1), y.stride(0), BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], GROUP_M=t["group_m"],
-        QUANT_A=quant_a, EVEN_K=K % GROUP == 0, HAS_BIAS=bias is not None, SPLIT=bool(splits), EXACT=INTERPRETED,
-        num_warps=t["num_warps"], num_stages=t["num_stages"], **launch_options(x))
+        EVEN_K=K % GROUP == 0, HAS_BIAS=bias is not None, SPLIT=bool(splits), EXACT=INTERPRETED,
+        num_warps=t["num_warps"], num_stages=t["num_stages"], **launch_options(xq))
     if splits and grid[1] < splits:  # more slices asked for than K has groups: the rest are empty
         y[grid[1]:] = 0
     return y if splits else y[0]

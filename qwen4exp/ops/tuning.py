@@ -33,17 +33,14 @@ OUTPUT_SPLITS = 2
 DOWN_SPLITS = 16
 
 # ---- block-scaled fp8 projections (ops.fp8) ----
-# Assumed, to be measured on the H200 (`python benchmarks/kernels/bench_fp8.py`): each is a choice between two
-# implementations that agree with the reference, so only speed depends on them.
+# Each is a choice between implementations that agree with the reference, so only speed depends on them
+# (`python benchmarks/kernels/bench_fp8.py --only linear` times each forced).
 
 # Tokens up to which an fp8 projection runs as the CUDA-core GEMV (fp8_triton.gemv, x quantized in the kernel)
-# instead of the tensor-core kernel. Assumed 1: the GEMV's work grows with the tokens on CUDA cores (its 4D
-# accumulator doubles at 2), as the bf16 GEMV's did, which lost to cuBLAS from 2 tokens.
+# instead of the quantization launch + the tensor-core kernel. One H100, us a call, GEMV / tensor cores: GDN in_proj
+# [16480, 2560] at 1 token 16.6 / (27.6 quantized inside the tensor-core kernel), at 2 tokens 24.6 / 18.7; out_proj
+# [2560, 6144] at 2 tokens 19.6 / 17.4 (its accumulator doubles at 2 tokens, on CUDA cores).
 FP8_GEMV_MAX_TOKENS = 1
-# Tokens up to which the tensor-core kernel (fp8_triton.gemm) quantizes x itself (one launch) instead of reading it
-# from a quantization launch. Assumed 16: every column tile repeats the quantization of all its rows (~10 ALU
-# instructions an element), which a 16-row tile hides behind its weight loads but a 64-row tile does not.
-FP8_FUSED_QUANT_MAX_TOKENS = 16
 # Tokens from which the quantization launch feeds torch's block-scaled cuBLAS GEMM instead of fp8_triton.gemm.
 # Assumed 1024: cuBLAS ran [4096, 2560] at 23-26 us for 8-64 tokens (10% of HBM bandwidth) and at 137.5 us for
 # 8192 (1,250 TFLOP/s), so its fixed cost is paid back only at prefill sizes.
@@ -52,9 +49,12 @@ FP8_CUBLAS_MIN_TOKENS = 1024
 # Slices of K in which the blocks' fp8 output projections (GDN out_proj, attention o_proj, [2560, 6144]) run from
 # FP8_GEMV_MAX_TOKENS + 1 to PARTIALS_MAX_TOKENS tokens, as fp32 partial products the next mix's combine sums
 # (`fp8.partial_products`); 1: one whole product. Their 2560 rows make 80 column tiles of 32, fewer programs than
-# SMs: flash-next-128e's 32-token fp8 decode step on one H100 ran them whole at 20.8 us a call, for ~5 us of weight
-# reads. 1 until slices are timed on a GPU (`bench_fp8.py --only linear` times 2, 4 and 8).
-FP8_OUTPUT_SPLITS = 1
+# SMs. One H100 (`bench_fp8.py --only linear`), us a call, whole / 2 / 4 / 8 slices: 2 tokens 17.4 / 11.5 / 10.0 /
+# 10.6, 16 tokens 17.5 / 11.7 / 10.1 / 11.0, 32 tokens 25.7 / 20.8 / 14.1 / 11.5, 64 tokens 27.0 / 18.9 / 12.5 /
+# 12.2, 128 tokens 40.9 / 23.4 / 16.3 / 18.4. flash-next-128e fp8 decode step (graphs, one H100), 4 slices with
+# the activations quantized in a launch of their own, against whole products quantizing up to 16 tokens inside the
+# kernel: 2 requests 7.30 / 10.78 ms, 32 requests 18.86 / 19.20 ms.
+FP8_OUTPUT_SPLITS = 4
 
 # ---- hyper-connections (ops.hyper_connection) ----
 

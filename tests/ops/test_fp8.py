@@ -204,7 +204,6 @@ def test_gemv_strided_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("quantized_first", [False, True])
 @pytest.mark.parametrize("tokens,n,k,tiles,bias", [
     (1, 64, 256, None, False),
     (5, 130, 200, None, True),
@@ -214,37 +213,30 @@ def test_gemv_strided_rows():
     # several row tiles in grouped order, ragged rows, columns and groups: a prefill-shaped launch
     (150, 200, 330, dict(block_m=32, block_n=64, group_m=2, num_warps=4, num_stages=2), False),
 ])
-def test_gemm_matches_reference(dtype, quantized_first, tokens, n, k, tiles, bias):
-    """The tensor-core kernel, quantizing x itself or reading the quantization launch's output."""
+def test_gemm_matches_reference(dtype, tokens, n, k, tiles, bias):
+    """The quantization launch and the tensor-core kernel reading its output."""
     x = _activations(tokens, k, dtype, seed=tokens + k)
     wq, scale = _weight(n, k, seed=n)
     b = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) if bias else None
 
     def run(x, wq, scale, b):
-        if quantized_first:
-            xq, sx = fp8_triton.quantize(x)
-            return fp8_triton.gemm(xq, wq, scale, b, x_scale=sx, out_dtype=x.dtype, tiles=tiles)
-        return fp8_triton.gemm(x, wq, scale, b, tiles=tiles)
+        return fp8_triton.gemm(*fp8_triton.quantize(x), wq, scale, b, out_dtype=x.dtype, tiles=tiles)
     _assert_matches_reference(on_device(run)(x, wq, scale, b), fp8.linear_ref(x, wq, scale, b), tensor_cores=True)
 
 
-@pytest.mark.parametrize("quantized_first", [False, True])
 @pytest.mark.parametrize("tokens,n,k,splits", [
     (2, 96, 640, 4),  # 5 groups in slices of 2, 2, 1
     (20, 64, 512, 2),
     (3, 40, 200, 4),  # 2 groups, a ragged last one: two slices empty
 ])
-def test_gemm_split_products_sum_to_the_reference(quantized_first, tokens, n, k, splits):
+def test_gemm_split_products_sum_to_the_reference(tokens, n, k, splits):
     """K cut into slices of 128-column groups: fp32 partial products [splits, M, N] whose sum, rounded to the
     activations' dtype (as the reading combine rounds it), is the product."""
     x = _activations(tokens, k, torch.bfloat16, seed=tokens + k)
     wq, scale = _weight(n, k, seed=n)
 
     def run(x, wq, scale):
-        if quantized_first:
-            xq, sx = fp8_triton.quantize(x)
-            return fp8_triton.gemm(xq, wq, scale, x_scale=sx, splits=splits)
-        return fp8_triton.gemm(x, wq, scale, splits=splits)
+        return fp8_triton.gemm(*fp8_triton.quantize(x), wq, scale, splits=splits)
     parts = on_device(run)(x, wq, scale)
     assert parts.shape == (splits, tokens, n) and parts.dtype == torch.float32
     groups = -(-k // 128)
@@ -295,23 +287,22 @@ def test_supported_shapes():
 
 def test_dispatch_by_tokens(monkeypatch):
     """With the fast path on (the interpreter stands in for the GPU), each token count takes its implementation: the
-    GEMV, the tensor-core kernel quantizing x itself, the quantization launch + the kernel (the CPU has no cuBLAS
-    block GEMM, so also past FP8_CUBLAS_MIN_TOKENS); 3-D inputs, merged projections and ops.linear included; the
-    results equal the reference."""
+    GEMV, the quantization launch + the tensor-core kernel (the CPU has no cuBLAS block GEMM, so also past
+    FP8_CUBLAS_MIN_TOKENS); 3-D inputs, merged projections and ops.linear included; the results equal the
+    reference."""
     calls = []
     for name in ("gemv", "gemm", "quantize"):
         real = getattr(fp8_triton, name)
         monkeypatch.setattr(fp8_triton, name, lambda *a, _name=name, _real=real, **kw: calls.append(
-            (_name, "x_scale" in kw)) or _real(*a, **kw))
+            _name) or _real(*a, **kw))
     monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
     monkeypatch.setattr(tuning, "FP8_GEMV_MAX_TOKENS", 1)
-    monkeypatch.setattr(tuning, "FP8_FUSED_QUANT_MAX_TOKENS", 4)
     monkeypatch.setattr(tuning, "FP8_CUBLAS_MIN_TOKENS", 8)
     wq, scale = _weight(48, 256, seed=2)
     wq, scale = wq.to(DEV), scale.to(DEV)
     cublas = fp8_triton.cublas_layout(torch.zeros(1, 256, dtype=torch.bfloat16, device=DEV), wq, scale) is not None
-    expected = {1: [("gemv", False)], 4: [("gemm", False)], 5: [("quantize", False), ("gemm", True)],
-                9: [("quantize", False)] + ([] if cublas else [("gemm", True)])}  # (cuBLAS on a GPU that has it)
+    expected = {1: ["gemv"], 2: ["quantize", "gemm"], 5: ["quantize", "gemm"],
+                9: ["quantize"] + ([] if cublas else ["gemm"])}  # (cuBLAS on a GPU that has it)
     for tokens, path in expected.items():
         calls.clear()
         x = _activations(tokens, 256, torch.bfloat16, tokens).to(DEV)
