@@ -42,8 +42,11 @@ DOWN_SPLITS = 16
 # [2560, 6144] at 2 tokens 19.6 / 17.4 (its accumulator doubles at 2 tokens, on CUDA cores).
 FP8_GEMV_MAX_TOKENS = 1
 # Tokens from which the quantization launch feeds torch's block-scaled cuBLAS GEMM instead of fp8_triton.gemm.
-# Assumed 1024: cuBLAS ran [4096, 2560] at 23-26 us for 8-64 tokens (10% of HBM bandwidth) and at 137.5 us for
-# 8192 (1,250 TFLOP/s), so its fixed cost is paid back only at prefill sizes.
+# 1024: cuBLAS ran [4096, 2560] at 23-26 us for 8-64 tokens (10% of HBM bandwidth) and at 137.5 us for 8192
+# (1,250 TFLOP/s). One H100, us a call, cuBLAS / fp8_triton.gemm (each after the quantization launch): the wide
+# projections are faster through cuBLAS from 32 tokens (GDN in_proj [16480, 2560]: 32 tokens 20.5 / 25.0,
+# 64 20.9 / 21.0, 128 21.7 / 24.8), the narrow ones slower (shared expert [1280, 2560] 11.5 / 10.4 at 32 tokens;
+# [2560, 640] 8.4 / 4.8): one threshold for all widths does not fit both.
 FP8_CUBLAS_MIN_TOKENS = 1024
 
 # Slices of K in which the blocks' fp8 output projections (GDN out_proj, attention o_proj, [2560, 6144]) run from
