@@ -4,15 +4,22 @@ previous block's output, the per-stream norm, the low-rank gate and the stream m
 Variants: the compiled reference (the combine, then `hc_mix_ref`); the dispatch; the one-token Triton kernels
 (`hc_mix_decode`, tuning.HC_DECODE_MAX_TOKENS moved up); the norm pass with the down projection through cuBLAS
 (tuning.PARTIALS_MAX_TOKENS moved down) and as tuning.DOWN_SPLITS fp32 partial products (moved up). Each call reads
-its own copy of the mix's weights.
+its own copy of the mix's weights. --sweep adds the decode kernels at other tiles than the defaults (rows of
+W_down_inject a down program, the columns of its K chunk, the hidden columns of an up program), up to 2 tokens.
 
-    python benchmarks/kernels/bench_hyper_connection.py [--tokens 1,2,64] [--json out.json]
+    python benchmarks/kernels/bench_hyper_connection.py [--tokens 1,2,64] [--sweep] [--json out.json]
 """
+
+import itertools
 
 from qwen4exp.bench.kernels import NEVER, Variant, around, run, with_tuning
 from qwen4exp.model.merged_linear import ROW_ALIGN
 from qwen4exp.ops import hyper_connection as hc_ops
 from qwen4exp.ops import tuning
+from qwen4exp.ops._dispatch import HAS_TRITON
+
+if HAS_TRITON:
+    from qwen4exp.ops import hyper_connection_triton as hc_triton
 
 
 def main(bench):
@@ -52,8 +59,19 @@ def main(bench):
             Variant(f"norm pass + {tuning.DOWN_SPLITS} partials",
                     with_tuning(op, HC_DECODE_MAX_TOKENS=0, HC_DECODE_SMALL_MAX_TOKENS=0, PARTIALS_MAX_TOKENS=NEVER)),
         ]
+        if bench.args.sweep and HAS_TRITON and tokens <= 2:
+            for rows_, chunk, block_h in itertools.product((8, 16, 32), (512, 1280, 2560), (2, 4, 8)):
+                def tiled(r=rows_, c=chunk, b=block_h):
+                    norm, down_inject, up = weights.next()
+                    return hc_triton.hc_mix_decode(streams, norm, down_inject, up, w.eps, hc, rank, True, block_out,
+                                                   inject, block_rows=r, chunk=c, block_h=b)
+                variants.append(Variant(f"decode {rows_}r{chunk}c{block_h}h", tiled))
         bench.measure(case, tokens, variants, calls=calls if tokens <= 512 else 8)
 
 
+def arguments(p):
+    p.add_argument("--sweep", action="store_true", help="also time the decode kernels at other tiles")
+
+
 if __name__ == "__main__":
-    run(main, __doc__, "hyper_connection")
+    run(main, __doc__, "hyper_connection", arguments=arguments)
