@@ -5,7 +5,8 @@ Variants: the compiled reference (the combine, then `hc_mix_ref`); the dispatch;
 (`hc_mix_decode`, tuning.HC_DECODE_MAX_TOKENS moved up); the norm pass with the down projection through cuBLAS
 (tuning.PARTIALS_MAX_TOKENS moved down) and as tuning.DOWN_SPLITS fp32 partial products (moved up). Each call reads
 its own copy of the mix's weights. --sweep adds the decode kernels at other tiles than the defaults (rows of
-W_down_inject a down program, the columns of its K chunk, the hidden columns of an up program), up to 2 tokens.
+W_down_inject a down program, the columns of its K chunk, the hidden columns of an up program and the width of its
+W_up tiles), up to 2 tokens.
 
     python benchmarks/kernels/bench_hyper_connection.py [--tokens 1,2,64] [--sweep] [--json out.json]
 """
@@ -60,12 +61,15 @@ def main(bench):
                     with_tuning(op, HC_DECODE_MAX_TOKENS=0, HC_DECODE_SMALL_MAX_TOKENS=0, PARTIALS_MAX_TOKENS=NEVER)),
         ]
         if bench.args.sweep and HAS_TRITON and tokens <= 2:
-            for rows_, chunk, block_h in itertools.product((8, 16, 32), (512, 1280, 2560), (2, 4, 8)):
-                def tiled(r=rows_, c=chunk, b=block_h):
+            tiles = [(r, c, b, None) for r, c, b in itertools.product((8, 16, 32), (512, 1280, 2560), (2, 4, 8))]
+            tiles += [(16, 512, b, k) for b, k in itertools.product((2, 4, 8), (64, 128))]
+            for rows_, chunk, block_h, up_chunk in tiles:
+                def tiled(r=rows_, c=chunk, b=block_h, k=up_chunk):
                     norm, down_inject, up = weights.next()
                     return hc_triton.hc_mix_decode(streams, norm, down_inject, up, w.eps, hc, rank, True, block_out,
-                                                   inject, block_rows=r, chunk=c, block_h=b)
-                variants.append(Variant(f"decode {rows_}r{chunk}c{block_h}h", tiled))
+                                                   inject, block_rows=r, chunk=c, block_h=b, up_chunk=k)
+                variants.append(Variant(f"decode {rows_}r{chunk}c{block_h}h" + (f"{up_chunk}k" if up_chunk else ""),
+                                        tiled))
         bench.measure(case, tokens, variants, calls=calls if tokens <= 512 else 8)
 
 

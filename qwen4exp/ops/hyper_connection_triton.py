@@ -16,8 +16,9 @@ bound (137 us per call measured for such a loop).
   `_hc_up_mix_kernel`, grid (hidden blocks): gate = sigmoid(act @ W_up^T) for all S streams, then
       mixed = mean_s gate * normed.
 
-Both kernels load their first weight tile before `pdl_start`: weights are written by no kernel, so under PDL that
-read overlaps the kernel before. It wins only at one token (`ops.tuning.HC_DECODE_MAX_TOKENS`).
+Both kernels load weights before `pdl_start` (the down kernel its first tile, the up kernel its first four):
+weights are written by no kernel, so under PDL that read overlaps the kernel before. It wins only at one token
+(`ops.tuning.HC_DECODE_MAX_TOKENS`).
 
 From two tokens on, `hc_prenorm` is the mix's first pass instead: the pending combine of the previous block (if any)
 and the per-stream RMSNorm in one launch over the streams, which inductor compiles into three kernels (combine,
@@ -122,12 +123,17 @@ def _hc_down_kernel(
 
 
 @triton.jit
+def _up_tile(wu_rows, wu_ok, k, R):
+    return tl.load(wu_rows + k[None, None, :], mask=wu_ok & (k < R)[None, None, :], other=0.0)
+
+
+@triton.jit
 def _hc_up_mix_kernel(
     x_ptr, nw_ptr, wu_ptr, act_ptr, rstd_ptr, out_ptr,
     T, H, R,
     stride_x, stride_wu, stride_a, stride_o,
-    S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
-    PDL: tl.constexpr,
+    S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+    ROUND: tl.constexpr, PDL: tl.constexpr,
 ):
     h = tl.program_id(0) * BH + tl.arange(0, BH)
     h_ok = h < H
@@ -136,21 +142,33 @@ def _hc_up_mix_kernel(
     kk = tl.arange(0, BK)
     wu_rows = wu_ptr + (s_idx[:, None, None] * H + h[None, :, None]) * stride_wu
     wu_ok = s_ok[:, None, None] & h_ok[None, :, None]
-    w_first = tl.load(wu_rows + kk[None, None, :], mask=wu_ok & (kk < R)[None, None, :], other=0.0)  # before the wait
+    # the program's NK column tiles of W_up (up to 4 of them) before the wait
+    w0 = _up_tile(wu_rows, wu_ok, kk, R)
+    if NK > 1:
+        w1 = _up_tile(wu_rows, wu_ok, BK + kk, R)
+    if NK > 2:
+        w2 = _up_tile(wu_rows, wu_ok, 2 * BK + kk, R)
+    if NK > 3:
+        w3 = _up_tile(wu_rows, wu_ok, 3 * BK + kk, R)
     pdl_start(PDL)
     dtype = out_ptr.dtype.element_ty
     t = tl.arange(0, BT)
     t_ok = t < T
     g = tl.zeros((SP, BT, BH), dtype=tl.float32)
-    for k0 in range(0, R, BK):
-        k = k0 + kk
-        k_ok = k < R
-        a = tl.load(act_ptr + t[:, None] * stride_a + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+    for i in tl.static_range(NK):
+        k = i * BK + kk
+        a = tl.load(act_ptr + t[:, None] * stride_a + k[None, :], mask=t_ok[:, None] & (k < R)[None, :],
                     other=0.0).to(tl.float32)
-        if k0 == 0:
-            w = w_first
+        if i == 0:
+            w = w0
+        elif i == 1:
+            w = w1
+        elif i == 2:
+            w = w2
+        elif i == 3:
+            w = w3
         else:
-            w = tl.load(wu_rows + k[None, None, :], mask=wu_ok & k_ok[None, None, :], other=0.0)
+            w = _up_tile(wu_rows, wu_ok, k, R)
         g += tl.sum(a[None, :, None, :] * w.to(tl.float32)[:, None, :, :], axis=3)
     g = g.to(dtype, fp_downcast_rounding=ROUND).to(tl.float32)
     gate = 1.0 / (1.0 + tl.exp(-g))
@@ -273,13 +291,15 @@ def supported(streams: torch.Tensor, hc: int) -> bool:
 
 def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int, rank: int, inject: bool,
                   block_out=None, block_inject=None, block_rows: int | None = None, chunk: int = 512,
-                  block_h: int | None = None):
+                  block_h: int | None = None, up_chunk: int | None = None):
     """Same contract as `ops.hyper_connection.hc_mix` with block_out [T, H] or None (dispatched to for `supported`
     inputs; correct for any T): returns (streams after the pending combine, block input, injection weights or None).
 
     block_rows x chunk: the W_down_inject tile of one down program (chunk is cut to a power of two dividing the
-    stream width); block_h: hidden columns (of every stream) of one up program. Defaults: within noise of the
-    fastest tiles at flash-next widths on an H200 (block_h 4; block_rows tuning.HC_DECODE_BLOCK_ROWS by width). In
+    stream width); block_h: hidden columns (of every stream) of one up program, which reads its W_up rows in tiles of
+    up_chunk columns (a power of two; default: as many as its register budget holds), its first four tiles before
+    the wait for the down kernel (smaller tiles: fewer registers, more programs resident at once). Defaults on the
+    GPU: block_h 4, block_rows tuning.HC_DECODE_BLOCK_ROWS by width (`bench_hyper_connection.py --sweep`). In
     the interpreter, where programs run one after another and each costs Python's overhead per operation, the
     defaults are one row block and one up program (the tiny preset, one token: 227 -> 63 ms a mix).
     """
@@ -317,11 +337,12 @@ def hc_mix_decode(streams, norm_weight, w_down_inject, w_up, eps: float, hc: int
         enable_fp_fusion=not combine, **launch_options(streams)
     )
     sp = triton.next_power_of_2(hc)
+    up_k = up_chunk or min(triton.next_power_of_2(rank), max(16, _BUDGET // (sp * bt * block_h)))
     _hc_up_mix_kernel[(triton.cdiv(H, block_h),)](
         new, norm_weight, w_up, act, rstd, out,
         T, H, rank,
         new.stride(0), w_up.stride(0), act.stride(0), out.stride(0),
-        S=hc, SP=sp, BT=bt, BH=block_h, BK=min(triton.next_power_of_2(rank), max(16, _BUDGET // (sp * bt * block_h))),
+        S=hc, SP=sp, BT=bt, BH=block_h, BK=up_k, NK=triton.cdiv(rank, up_k),
         ROUND=rounding(dtype), num_warps=4, **launch_options(streams)
     )
     return new, out, (inj if inject else None)

@@ -22,6 +22,8 @@ hc_mix_decode = on_device(hc_mix_decode)
     (2, 192, 40, True, dict(block_rows=8, chunk=64, block_h=32)), (1, 128, 20, False, dict(chunk=32, block_h=8)),
     # the GPU's default tiles (the interpreter's default is one row block and one up program)
     (1, 64, 16, True, dict(block_rows=16, block_h=4)), (2, 64, 16, True, dict(block_rows=8, block_h=4)),
+    # W_up in column tiles: 3 (a ragged last one), all read before the wait; 5, the fifth read after it
+    (1, 64, 40, True, dict(block_h=16, up_chunk=16)), (2, 80, 40, False, dict(block_h=32, up_chunk=8)),
 ])
 @pytest.mark.parametrize("pending", [False, True])
 def test_matches_reference(dtype, tokens, hidden, rank, inject, tiles, pending):
