@@ -61,7 +61,7 @@ def main(bench):
                     with_tuning(op, HC_DECODE_MAX_TOKENS=0, HC_DECODE_SMALL_MAX_TOKENS=0, PARTIALS_MAX_TOKENS=NEVER)),
         ]
         if bench.args.sweep and HAS_TRITON and tokens <= 2:
-            tiles = [(r, c, b, None) for r, c, b in itertools.product((8, 16, 32), (512, 1280, 2560), (2, 4, 8))]
+            tiles = [(r, c, b, None) for r, c, b in itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8))]
             tiles += [(16, 512, b, k) for b, k in itertools.product((2, 4, 8), (64, 128))]
             for rows_, chunk, block_h, up_chunk in tiles:
                 def tiled(r=rows_, c=chunk, b=block_h, k=up_chunk):
