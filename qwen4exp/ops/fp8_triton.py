@@ -269,9 +269,9 @@ def _gemm_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] output tile over the whole of K, or with SPLIT over the `split_groups` 128-column
     groups of K of its split (program axis 1). Per group: A's fp8 group (`quantize`) and its scales, the weight's
-    [128, BLOCK_N] fp8 tile, one fp8 dot into a fresh fp32
-    accumulator, scaled by the rows' and the columns' block scales and added: the per-group sums of the rule, with
-    tensor cores doing each group's products. Each split writes its own sum (y's split stride)."""
+    [128, BLOCK_N] fp8 tile, one fp8 dot into a fresh fp32 accumulator, scaled by the rows' and the columns' block
+    scales and added: the per-group sums of the rule, with tensor cores doing each group's products. Each split
+    writes its own sum (y's split stride)."""
     pdl_start(PDL)
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if SPLIT:  # (apart, so the whole product's loop keeps its 4 fewer instructions a step)
