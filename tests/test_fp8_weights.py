@@ -462,9 +462,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 def test_gpu_fp8_model_matches_the_cpu_fp8_reference():
     """The fp8 model's GPU fast paths and CUDA graphs (fp32 activations) against the CPU reference of the same fp8
-    weights: each generated token is the reference's argmax, logprobs close. The product quantizes its input per
-    token and 128 columns, so a summation-order difference upstream can move a value to the next e4m3 step: the
-    tolerance is looser than the unquantized model's 2e-4."""
+    weights: each generated token is the reference's argmax, logprobs close. Every product quantizes its input per
+    token and 128 columns, so a summation-order difference upstream (and Hopper's fp8 wgmma at 33+ tokens, ops/fp8.py)
+    moves some values to the next e4m3 step: on an H100 this model's logprobs are 0.02 apart at the median, 0.18 at
+    most (the unquantized model: 0 and 0.09, at a near tie). A wrong scale, a missed weight or a stale graph buffer
+    moves them by far more."""
     hf = hf_model(hf_config(ple_layer_ids=[1, 2], hidden_size=256, moe_intermediate_size=160), seed=7)
     llm = our_llm(hf, device="cuda", quantization="fp8", max_num_seqs=4, max_num_batched_tokens=64)
     assert llm.llm_engine.runner.graphs is not None
@@ -474,15 +476,17 @@ def test_gpu_fp8_model_matches_the_cpu_fp8_reference():
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     cpu = our_llm(hf, device="cpu", quantization="fp8", max_num_seqs=4)
+    diffs = []
     for prompt, out in zip(prompts, outs):
         ids = out.outputs[0].token_ids
         full = cpu.generate([{"prompt_token_ids": prompt + ids[:-1]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
                             use_tqdm=False)[0]
         ref = full.prompt_logprobs[len(prompt):]
-        ours = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs[:-1], ids[:-1])]
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor([d[t].logprob for d, t in zip(ref, ids[:-1])]),
-                                   atol=1e-2, rtol=0)
         assert [d[t].rank for d, t in zip(ref, ids[:-1])] == [1] * (len(ids) - 1)
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs[:-1], ids[:-1])])
+        diffs.append((ours - torch.tensor([d[t].logprob for d, t in zip(ref, ids[:-1])])).abs())
+    diffs = torch.cat(diffs)
+    assert diffs.median() < 0.05 and diffs.max() < 0.4, diffs
 
 
 @needs_cuda

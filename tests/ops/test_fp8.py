@@ -120,16 +120,17 @@ def _activations(tokens, k, dtype, seed, spread=2.0):
 
 def _assert_matches_reference(got, want, tensor_cores: bool):
     """fp32 sums in another order: bf16 outputs at most one rounding step apart, nearly all equal; fp32 outputs within
-    the summation order, which on Hopper's fp8 tensor cores (a ~14-bit accumulator inside each 128-column group)
-    is a few 1e-5 of the output's magnitude."""
+    the summation order. Hopper's fp8 tensor cores (wgmma: Triton's row tiles of 64 and more, cuBLAS) sum a
+    128-column group's products in a narrower accumulator than fp32: up to ~3e-4 of the output's magnitude from the
+    rule on an H100, which leaves 5-6% of bf16 outputs one rounding step off (ops/fp8.py)."""
     assert got.dtype == want.dtype and got.shape == want.shape
     if want.dtype == torch.bfloat16:
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7 * want.float().abs().max().item())
-        assert (got != want).float().mean() < (0.05 if tensor_cores and ON_GPU else 0.01)
+        assert (got != want).float().mean() < (0.1 if tensor_cores and ON_GPU else 0.01)
     else:
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=1e-3 if tensor_cores and ON_GPU else 1e-5,
-                                   atol=(3e-4 if tensor_cores and ON_GPU else 1e-6) * scale)
+                                   atol=(5e-4 if tensor_cores and ON_GPU else 1e-6) * scale)
 
 
 def test_quantize_kernel_is_the_reference_bit_for_bit():
