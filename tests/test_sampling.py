@@ -5,6 +5,8 @@ import torch
 
 from qwen4exp import LLM, SamplingParams
 from qwen4exp.engine.detokenizer import IncrementalDetokenizer
+from qwen4exp.engine.request import Request
+from qwen4exp.engine.sampler import apply_penalties
 from qwen4exp.weights.random_checkpoint import make_random
 
 
@@ -46,6 +48,45 @@ def test_penalties_change_greedy_choices(llm):
     assert len(set(rep)) >= len(set(base)) and rep != base
     assert pres != base
     assert not set(rep) & set(PROMPT["prompt_token_ids"]) or len(set(rep)) > len(set(base))
+
+
+def _penalised_row(row, req, stop_ids):
+    """vLLM's logits processors for one row, as its docs state them (the batched apply_penalties must equal this)."""
+    p, vocab = req.params, row.shape[0]
+    fp32 = lambda x: torch.tensor(x, dtype=row.dtype)  # noqa: E731  the arithmetic in the logits' dtype
+    for t, v in (p.logit_bias or {}).items():
+        if t < vocab:
+            row[t] += fp32(v)
+    if len(req.output_token_ids) < p.min_tokens:
+        row[[t for t in stop_ids if t < vocab]] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        for t in set(req.prompt_token_ids + req.output_token_ids):
+            row[t] = row[t] / fp32(p.repetition_penalty) if row[t] > 0 else row[t] * fp32(p.repetition_penalty)
+    for t in set(req.output_token_ids):
+        row[t] -= fp32(p.frequency_penalty) * req.output_token_ids.count(t) + fp32(p.presence_penalty)
+    return row
+
+
+def test_batched_penalties_equal_each_rows_penalties():
+    """Rows with every combination of logit_bias, min_tokens, repetition / frequency / presence penalties (and rows
+    with none) get exactly what each would get alone; ids past the vocabulary are ignored."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 50
+    configs = [dict(), dict(logit_bias={3: 5.0, 7: -2.5, 60: 1.0}), dict(min_tokens=4), dict(repetition_penalty=1.7),
+               dict(repetition_penalty=0.6, frequency_penalty=0.3), dict(presence_penalty=1.1),
+               dict(frequency_penalty=-0.4, presence_penalty=0.2, logit_bias={4: 1.5}, min_tokens=2),
+               dict(repetition_penalty=1.3, presence_penalty=0.5), dict(frequency_penalty=0.7)]
+    requests, stops = [], []
+    for n, kw in enumerate(configs * 2):
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        outputs = torch.randint(0, vocab, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+        requests.append(Request(f"r{n}", prompt, SamplingParams(**kw), output_token_ids=outputs))
+        stops.append([1, 2, 70])
+    logits = torch.randn(len(requests), vocab, generator=g) * 3
+    want = torch.stack([_penalised_row(row.clone(), r, s) for row, r, s in zip(logits, requests, stops)])
+    got = apply_penalties(logits.clone(), requests, stops)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, logits)
 
 
 def test_n_and_logprobs(llm):

@@ -32,28 +32,51 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]) -> torch.Tensor:
-    vocab = logits.shape[-1]
+    """vLLM's logits processors in its order, in place: logit_bias; min_tokens (the request's stop ids masked while
+    it has fewer output tokens); the repetition penalty over prompt and output ids (positive logits divided by it,
+    the others multiplied); frequency and presence penalties over output ids. Each is one batched operation over
+    the rows that use it, its ids brought to the device in one copy (not a few launches and a synchronising copy
+    per row)."""
+    vocab, dev = logits.shape[-1], logits.device
+    bias, banned, repeat, seen, penal, outputs = [], [], [], [], [], []
     for i, req in enumerate(requests):
         p = req.params
-        if p.logit_bias:
-            ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
-            vals = torch.tensor([p.logit_bias[t] for t in ids.tolist()], dtype=logits.dtype)
-            logits[i, ids.to(logits.device)] += vals.to(logits.device)
-        banned = [t for t in stop_ids[i] if t < vocab]  # ids past the vocabulary can never be sampled anyway
-        if len(req.output_token_ids) < p.min_tokens and banned:
-            logits[i, torch.tensor(banned, device=logits.device)] = float("-inf")
+        bias += [(i, t, v) for t, v in (p.logit_bias or {}).items() if 0 <= t < vocab]
+        if len(req.output_token_ids) < p.min_tokens:
+            banned += [(i, t) for t in stop_ids[i] if 0 <= t < vocab]  # ids past the vocabulary are never sampled
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(req.prompt_token_ids + req.output_token_ids, dtype=torch.long,
-                              device=logits.device)] = True
-            row = logits[i]
-            logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty),
-                                    row)
+            seen += [(len(repeat), t) for t in req.prompt_token_ids + req.output_token_ids if 0 <= t < vocab]
+            repeat.append((i, p.repetition_penalty))
         if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
-            counts = torch.bincount(
-                torch.tensor(req.output_token_ids, device=logits.device), minlength=vocab
-            )[:vocab].to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            outputs += [(len(penal), t) for t in req.output_token_ids if 0 <= t < vocab]
+            penal.append((i, p.frequency_penalty, p.presence_penalty))
+    if bias:
+        rows, ids, values = zip(*bias)
+        index = to_device([rows, ids], dev, torch.long)
+        logits.index_put_((index[0], index[1]), to_device(values, dev, logits.dtype), accumulate=True)
+    if banned:
+        index = to_device(list(zip(*banned)), dev, torch.long)
+        logits[index[0], index[1]] = float("-inf")
+    if repeat:
+        rows, factor = zip(*repeat)
+        rows, factor = to_device(rows, dev, torch.long), to_device(factor, dev, logits.dtype)[:, None]
+        mask = torch.zeros(len(repeat), vocab, dtype=torch.bool, device=dev)
+        if seen:
+            index = to_device(list(zip(*seen)), dev, torch.long)
+            mask[index[0], index[1]] = True
+        picked = logits[rows]
+        logits[rows] = torch.where(mask, torch.where(picked > 0, picked / factor, picked * factor), picked)
+    if penal:
+        rows, frequency, presence = zip(*penal)
+        rows = to_device(rows, dev, torch.long)
+        counts = torch.zeros(len(penal), vocab, dtype=logits.dtype, device=dev)
+        if outputs:
+            index = to_device(list(zip(*outputs)), dev, torch.long)
+            counts.index_put_((index[0], index[1]), torch.ones(len(outputs), dtype=logits.dtype, device=dev),
+                              accumulate=True)
+        frequency = to_device(frequency, dev, logits.dtype)[:, None]
+        presence = to_device(presence, dev, logits.dtype)[:, None]
+        logits[rows] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
     return logits
 
 
