@@ -38,17 +38,21 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: lis
     the rows that use it, its ids brought to the device in one copy (not a few launches and a synchronising copy
     per row)."""
     vocab, dev = logits.shape[-1], logits.device
-    bias, banned, repeat, seen, penal, outputs = [], [], [], [], [], []
+    bias, banned, repeat, penal = [], [], [], []
+    seen, seen_lens, outputs, output_lens = [], [], [], []  # ids (in range: prompts are checked on admission)
     for i, req in enumerate(requests):
         p = req.params
         bias += [(i, t, v) for t, v in (p.logit_bias or {}).items() if 0 <= t < vocab]
         if len(req.output_token_ids) < p.min_tokens:
             banned += [(i, t) for t in stop_ids[i] if 0 <= t < vocab]  # ids past the vocabulary are never sampled
         if p.repetition_penalty != 1.0:
-            seen += [(len(repeat), t) for t in req.prompt_token_ids + req.output_token_ids if 0 <= t < vocab]
+            seen += req.prompt_token_ids
+            seen += req.output_token_ids
+            seen_lens.append(len(req.prompt_token_ids) + len(req.output_token_ids))
             repeat.append((i, p.repetition_penalty))
         if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
-            outputs += [(len(penal), t) for t in req.output_token_ids if 0 <= t < vocab]
+            outputs += req.output_token_ids
+            output_lens.append(len(req.output_token_ids))
             penal.append((i, p.frequency_penalty, p.presence_penalty))
     if bias:
         rows, ids, values = zip(*bias)
@@ -61,23 +65,26 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], stop_ids: lis
         rows, factor = zip(*repeat)
         rows, factor = to_device(rows, dev, torch.long), to_device(factor, dev, logits.dtype)[:, None]
         mask = torch.zeros(len(repeat), vocab, dtype=torch.bool, device=dev)
-        if seen:
-            index = to_device(list(zip(*seen)), dev, torch.long)
-            mask[index[0], index[1]] = True
+        mask[_rows_of(seen_lens, dev), to_device(seen, dev, torch.long)] = True
         picked = logits[rows]
         logits[rows] = torch.where(mask, torch.where(picked > 0, picked / factor, picked * factor), picked)
     if penal:
         rows, frequency, presence = zip(*penal)
         rows = to_device(rows, dev, torch.long)
         counts = torch.zeros(len(penal), vocab, dtype=logits.dtype, device=dev)
-        if outputs:
-            index = to_device(list(zip(*outputs)), dev, torch.long)
-            counts.index_put_((index[0], index[1]), torch.ones(len(outputs), dtype=logits.dtype, device=dev),
-                              accumulate=True)
+        counts.index_put_((_rows_of(output_lens, dev), to_device(outputs, dev, torch.long)),
+                          torch.ones(len(outputs), dtype=logits.dtype, device=dev), accumulate=True)
         frequency = to_device(frequency, dev, logits.dtype)[:, None]
         presence = to_device(presence, dev, logits.dtype)[:, None]
         logits[rows] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
     return logits
+
+
+def _rows_of(lengths: list[int], device) -> torch.Tensor:
+    """Row r repeated lengths[r] times, for the ids laid out row after row (the output size given, so no wait for
+    the device)."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), to_device(lengths, device, torch.long),
+                                   output_size=sum(lengths))
 
 
 def reads_history(p) -> bool:
