@@ -395,17 +395,20 @@ def _moe_reference(x, gu, gu_s, dn, dn_s, ids, w, shared):
     return moe_block_ref(x, gu, dn, ids, w, shared_out, gu_s, dn_s)
 
 
-def _assert_moe_close(out, ref):
+def _assert_moe_close(out, ref, tensor_cores: bool = False):
     """The experts' activations are quantized after a sum whose order differs from the reference's (and, in bf16, after
     rounding it): now and then one lands on the other side of an fp8 rounding step, which moves its token's outputs
     by up to ~1e-2 of their magnitude; otherwise fp32 outputs agree to the summation order (~3e-7 here) and bf16
     outputs to the reference's bf16 sum of the experts (a mean 0.3-0.4% of the mean output for the fp8 kernels, 0.8%
-    for the bf16 ones). A wrong expert, scale or group moves most outputs by far more."""
+    for the bf16 ones). Where Hopper's fp8 wgmma runs (64-row tiles on the GPU) its narrower accumulator sends more
+    activations across a rounding step: a mean 1.3e-3 of the mean fp32 output on an H100. A wrong expert, scale or
+    group moves most outputs by far more."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     diff = (out.float() - ref.float()).abs()
     scale = ref.float().abs()
     assert diff.max() < 3e-2 * scale.max(), (diff.max() / scale.max()).item()
-    assert diff.mean() < (1.5e-2 if ref.dtype == torch.bfloat16 else 1e-3) * scale.mean(), diff.mean() / scale.mean()
+    bound = 1.5e-2 if ref.dtype == torch.bfloat16 else 4e-3 if tensor_cores and ON_GPU else 1e-3
+    assert diff.mean() < bound * scale.mean(), diff.mean() / scale.mean()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -441,7 +444,8 @@ def test_fused_fp8_experts_match_reference(dtype, n, h, inter, e, k, config):
     x = _activations(n, h, dtype, seed=n, spread=0.5)
     ids, w = _routing(n, e, k, dtype, seed=n)
     out = on_device(moe_triton.fused_moe_fp8)(x, gu, gu_s, dn, dn_s, ids, w, config=config)
-    _assert_moe_close(out, _moe_reference(x, gu, gu_s, dn, dn_s, ids, w, None))
+    block_m = (config or moe_triton.get_fp8_config(n, e, k)).block_m
+    _assert_moe_close(out, _moe_reference(x, gu, gu_s, dn, dn_s, ids, w, None), tensor_cores=block_m >= 64)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 400, 8192])
