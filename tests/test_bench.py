@@ -319,6 +319,13 @@ def test_the_page_reports_the_fp8_stages_when_the_results_hold_them():
     page = render(results | {"agree_fp8": agree}, "benchmarks_results.json")
     assert "| fp8 vs bf16 top-1 agreement | >= 98% | **96.90%** |" in page
     assert "vs the same reference: bf16 arithmetic alone | | 97.23% |" in page
+    # a stage measured on another GPU than the setup's says so
+    ran = "`qwen4exp bench suite --stages agree_fp8`, commit abc1234"
+    for gpu, says in ((results["stages"]["ours"]["env"]["gpu"], ran + ")"),
+                      ("NVIDIA H100 80GB HBM3", ran + ", on one NVIDIA H100 80GB HBM3)")):
+        stages = results["stages"] | {"agree_fp8": {"command": "qwen4exp bench suite --stages agree_fp8",
+                                                    "commit": "abc1234", "env": {"gpu": gpu}}}
+        assert says in render(results | {"agree_fp8": agree, "stages": stages}, "benchmarks_results.json")
 
 
 # ---- bench latency, throughput and serve: vLLM's result keys ----

@@ -31,9 +31,13 @@ def _commands(results: dict, stages: list[str]) -> list[str]:
 
 
 def _ran(results: dict, stage: str) -> str:
-    """How a section's stage ran, for its intro: the command and the commit."""
-    p = results.get("stages", {}).get(stage, {})
-    return f"`{p.get('command', 'qwen4exp bench suite --stages ' + stage)}`, commit {p.get('commit') or 'n/a'}"
+    """How a section's stage ran, for its intro: the command and the commit, and the GPU where it is not the one of
+    the setup (the `ours` stage's)."""
+    stages = results.get("stages", {})
+    p = stages.get(stage, {})
+    gpu, setup_gpu = p.get("env", {}).get("gpu"), stages.get("ours", {}).get("env", {}).get("gpu")
+    on = f", on one {gpu}" if gpu and gpu != setup_gpu else ""
+    return f"`{p.get('command', 'qwen4exp bench suite --stages ' + stage)}`, commit {p.get('commit') or 'n/a'}{on}"
 
 
 def _setup(results: dict) -> list[str]:
