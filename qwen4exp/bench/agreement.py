@@ -17,11 +17,10 @@ def top1_agreement(cfg, weights: dict, seqs: list[list[int]], device, prefill: i
     the CPU's bf16 engine against the same reference (how close bf16 arithmetic itself gets to fp32 on this model).
     `quantization="fp8"`: every engine quantizes the weights to fp8 on load (the CPU's runs the fp8 reference)."""
     def engine(dtype, dev, w, **kw):
-        # a small step budget: the GPU engine's warm-up compiles prefill shapes up to it, and the longest step here
-        # is one whole sequence on the CPU
+        # no warm-up: the steps here are a prefill and one-token decodes, compiled as they come
         ecfg = EngineConfig(max_model_len=1024, page_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
                             dtype=dtype, device=str(dev), quantization=quantization, **kw)
-        return LLMEngine(None, ecfg, model_config=cfg, tokenizer=None, weights=iter(w.items()))
+        return LLMEngine(None, ecfg, model_config=cfg, tokenizer=None, weights=iter(w.items()), warm_up_steps=False)
 
     cpu = engine("float32", "cpu", weights, num_pages=300)
     gpu = engine("bfloat16", device, weights, num_pages=200, cuda_graph_sizes=[1, 2, 4])

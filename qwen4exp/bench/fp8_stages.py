@@ -120,7 +120,8 @@ def fp8_against_bf16(cfg, weights: dict, seqs: list[list[int]], device) -> dict:
     for name, quantization in (("bf16", None), ("fp8", "fp8")):
         config = EngineConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=1024, num_pages=200,
                               dtype="bfloat16", device=str(device), quantization=quantization, enforce_eager=True)
-        engine = LLMEngine(None, config, model_config=cfg, tokenizer=None, weights=iter(weights.items()))
+        engine = LLMEngine(None, config, model_config=cfg, tokenizer=None, weights=iter(weights.items()),
+                           warm_up_steps=False)
         lps[name], targets = _teacher_forced(engine, seqs)
         del engine
         token_lp = lps[name].gather(1, targets[:, None])[:, 0]

@@ -87,10 +87,13 @@ class LLMEngine:
         model_config: ModelConfig | None = None,
         served_model_name: str | None = None,
         image_processor=None,
+        warm_up_steps: bool = True,
     ):
         """served_model_name: the `model_name` label of the metrics (default: the model path). image_processor: a
         transformers image processor for a multimodal model held in memory (default: the one the checkpoint's
-        preprocessor_config.json names)."""
+        preprocessor_config.json names). warm_up_steps: on CUDA, run the start-up warm-up (engine/warmup.py);
+        measurements that run a few fixed shapes through `runner.execute` skip it (its compilation takes minutes
+        on a fresh machine)."""
         self.config = engine_config or EngineConfig()
         self.served_model_name = served_model_name or model or "qwen4exp"
         self.device = resolve_device(self.config.device)
@@ -150,7 +153,7 @@ class LLMEngine:
         async_scheduling = self.config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _Launched | None = None  # the launched step whose samples are not read yet
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and warm_up_steps:
             with _out_of_memory_as_error("warming up", self.config):
                 warm_up(self)
             logger.info("memory after the warm-up: %.1f GiB allocated at the peak, %.1f GiB reserved by the allocator "
