@@ -6,7 +6,8 @@ in the stream is still running: it waits at `pdl_start` until that kernel has fi
 then lets the kernel after it launch. Waiting before the first load or store keeps every kernel's view of memory
 what it would be without PDL; what overlaps is the launch itself (H200, a chain of 192 small kernels in a graph:
 1.36 -> 1.03 us a kernel). Every kernel takes `PDL: tl.constexpr` and calls `pdl_start(PDL)` before touching
-memory; its launch passes `**launch_options(tensor)`. `ops.settings.pdl` (QWEN4EXP_PDL=0) turns it off, inductor's
+memory that a kernel may write; only weights, which no kernel writes, are read before it (the hc mix kernels'
+first tiles), so that their read overlaps the kernel before. Its launch passes `**launch_options(tensor)`. `ops.settings.pdl` (QWEN4EXP_PDL=0) turns it off, inductor's
 too (`ops.compiled_on_gpu`).
 """
 
