@@ -84,7 +84,7 @@ def linear_case(bench):
                     variants.append(Variant(f"tc, K in {splits} slices", lambda s=splits: fp8.partial_products(
                         x, *quantized.next(), s)))
             if bench.args.sweep and tokens <= 64:
-                variants += tile_variants(x, quantized, k)
+                variants += tile_variants(x, quantized, n, k)
             bench.measure(case, tokens, variants, calls=calls if tokens <= 512 else 4,
                           compare=lambda out, dtype=x.dtype: summed(out, dtype))
 
@@ -94,7 +94,7 @@ def summed(out, dtype):
     return out.sum(1).to(dtype) if out.dim() == 3 else out
 
 
-def tile_variants(x, quantized, k):
+def tile_variants(x, quantized, n, k):
     """The GEMV (up to 4 tokens) and the tensor-core kernel at other tiles than the defaults."""
     tokens = x.shape[0]
     variants = []
@@ -110,6 +110,13 @@ def tile_variants(x, quantized, k):
                 tiles = dict(block_n=block_n, groups_per_step=g, num_warps=warps, reduce_each_step=each)
                 variants.append(Variant(f"GEMV {block_n}r{g}g{warps}w{'s' if each else ''}",
                                         lambda t=tiles: fp8_triton.gemv(x, *quantized.next(), tiles=t)))
+        # the default tiles with none, 1, 2 and every step of weights read before the PDL wait (tuning.gemv_steps_ahead)
+        default = fp8_triton.gemv_tiles(tokens, n, k)
+        steps = triton.cdiv(k, default["groups_per_step"] * 128)
+        for ahead in sorted({0, 1, min(2, steps), steps}):
+            tiles = default | dict(steps_ahead=ahead)
+            variants.append(Variant(f"GEMV default, {ahead} ahead",
+                                    lambda t=tiles: fp8_triton.gemv(x, *quantized.next(), tiles=t)))
     xq, sx = fp8_triton.quantize(x)  # (the quantization launch, apart from the tiles timed)
     block_m = max(16, triton.next_power_of_2(tokens))
     for block_n in (16, 32, 64, 128):

@@ -7,8 +7,9 @@ then lets the kernel after it launch. Waiting before the first load or store kee
 what it would be without PDL; what overlaps is the launch itself (H200, a chain of 192 small kernels in a graph:
 1.36 -> 1.03 us a kernel). Every kernel takes `PDL: tl.constexpr` and calls `pdl_start(PDL)` before touching
 memory that a kernel may write; only weights, which no kernel writes, are read before it (the hc mix kernels'
-first tiles), so that their read overlaps the kernel before. Its launch passes `**launch_options(tensor)`.
-`ops.settings.pdl` (QWEN4EXP_PDL=0) turns it off, inductor's too (`ops.compiled_on_gpu`).
+first tiles, the decode GEMVs' first steps), so that their read overlaps the kernel before. Its launch passes
+`**launch_options(tensor)`. `ops.settings.pdl` (QWEN4EXP_PDL=0) turns it off, inductor's too
+(`ops.compiled_on_gpu`).
 """
 
 import functools

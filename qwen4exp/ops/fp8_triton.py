@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import tuning
 from ._triton_utils import INTERPRETED, launch_options, pdl_start, round_to_bf16
 
 FP8 = torch.float8_e4m3fn
@@ -138,21 +139,35 @@ def quantize(x: torch.Tensor, rows: int | None = None, scale_columns: bool = Fal
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _gemv_step(acc, w, ws, x_ptrs, k0, t_ok, k3, gg, K, REDUCE_EACH_STEP: tl.constexpr, EXACT: tl.constexpr):
+    """One step of `_gemv_kernel`: the tokens' G groups of x at column k0 quantized, scaled by their own and the
+    weight blocks' scales (ws [G]) and multiplied into the rows' weights w [1, BLOCK_N, G, 128]."""
+    x = tl.load(x_ptrs + k0, mask=t_ok & (k0 + k3 < K), other=0.0).to(tl.float32)
+    q, s = quantize_groups(x, 2, EXACT)
+    a = q.to(tl.float32) * (s * ws[None, :, None])  # [BT, G, 128]
+    if REDUCE_EACH_STEP:
+        acc += tl.sum(tl.sum(a[:, None, :, :] * w.to(tl.float32), axis=3), axis=2)
+    else:
+        acc += a[:, None, :, :] * w.to(tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, T, N, K, stride_x, stride_w, stride_ws, stride_y,
-    BT: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE_EACH_STEP: tl.constexpr,
-    EXACT: tl.constexpr, PDL: tl.constexpr
+    BT: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, PRE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    REDUCE_EACH_STEP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr
 ):
     """BLOCK_N rows of W (within one 128-row scale block: BLOCK_N divides 128) x all T tokens, G 128-column groups a
     step. A step loads the G groups of weight first (G 16-byte vectors a lane in flight), then quantizes the
     tokens' G groups of x in a compact [BT, G, 128] layout (each element once per program), scales them by their
     own and the weight blocks' scales and broadcasts them over the rows. The accumulator keeps the K lanes
     ([BT, BLOCK_N, G, 128]) and is reduced once at the end; with REDUCE_EACH_STEP it is [BT, BLOCK_N], each step's
-    products summed at once (a reduction across lanes a step, for registers left to wider steps)."""
-    pdl_start(PDL)
+    products summed at once (a reduction across lanes a step, for registers left to wider steps). The first PRE
+    steps' weights and scales are read before the wait: no kernel writes weights, so under PDL that read overlaps
+    the kernel before this one."""
     pid = tl.program_id(0)
-    t = tl.arange(0, BT)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     gg = tl.arange(0, G)
     kk = tl.arange(0, _GROUP)
@@ -160,24 +175,29 @@ def _gemv_kernel(
     rows4 = rows[None, :, None, None]
     k4 = gg[None, None, :, None] * _GROUP + kk[None, None, None, :]
     w_ptrs = w_ptr + rows4 * stride_w + k4
+    ws_ptrs = ws_ptr + (pid * BLOCK_N // _GROUP) * stride_ws + gg
+    ahead = ()
+    for i in tl.static_range(PRE):
+        k0 = i * G * _GROUP
+        ahead = ahead + ((tl.load(w_ptrs + k0, mask=(rows4 < N) & (k0 + k4 < K), other=0.0,
+                                  eviction_policy="evict_first"),
+                          tl.load(ws_ptrs + k0 // _GROUP, mask=k0 + gg * _GROUP < K, other=0.0)),)
+    pdl_start(PDL)
+    t = tl.arange(0, BT)
     k3 = gg[None, :, None] * _GROUP + kk[None, None, :]
     x_ptrs = x_ptr + t[:, None, None] * stride_x + k3
     t_ok = (t < T)[:, None, None]
-    ws_ptrs = ws_ptr + (pid * BLOCK_N // _GROUP) * stride_ws + gg
     if REDUCE_EACH_STEP:
         acc = tl.zeros((BT, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BT, BLOCK_N, G, _GROUP), dtype=tl.float32)
-    for k0 in range(0, K, G * _GROUP):
+    for i in tl.static_range(PRE):
+        acc = _gemv_step(acc, ahead[i][0], ahead[i][1], x_ptrs, i * G * _GROUP, t_ok, k3, gg, K, REDUCE_EACH_STEP,
+                         EXACT)
+    for k0 in range(PRE * G * _GROUP, K, G * _GROUP):
         w = tl.load(w_ptrs + k0, mask=(rows4 < N) & (k0 + k4 < K), other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs + k0, mask=t_ok & (k0 + k3 < K), other=0.0).to(tl.float32)
         ws = tl.load(ws_ptrs + k0 // _GROUP, mask=k0 + gg * _GROUP < K, other=0.0)
-        q, s = quantize_groups(x, 2, EXACT)
-        a = q.to(tl.float32) * (s * ws[None, :, None])  # [BT, G, 128]
-        if REDUCE_EACH_STEP:
-            acc += tl.sum(tl.sum(a[:, None, :, :] * w.to(tl.float32), axis=3), axis=2)
-        else:
-            acc += a[:, None, :, :] * w.to(tl.float32)
+        acc = _gemv_step(acc, w, ws, x_ptrs, k0, t_ok, k3, gg, K, REDUCE_EACH_STEP, EXACT)
     if REDUCE_EACH_STEP:
         y = acc
     else:
@@ -223,7 +243,8 @@ def gemv(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
          tiles: dict | None = None) -> torch.Tensor:
     """The block-scaled product of x [T, K] and wq [N, K] / scale (any T; `ops.fp8.linear` dispatches it for few
     tokens), one launch. tiles: `gemv_tiles` by default (block_n a power of two dividing 128; reduce_each_step
-    optional, default False); in the interpreter, where programs run one after another at Python's cost per
+    optional, default False; steps_ahead, the steps of weights read before the PDL wait, `tuning.gemv_steps_ahead`
+    by default); in the interpreter, where programs run one after another at Python's cost per
     operation, up to 128 rows a program and steps of up to 2^18 products (8192 rows of 256 columns: 14 -> 1 s)."""
     T, K = x.shape
     N = wq.shape[0]
@@ -234,10 +255,15 @@ def gemv(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
                      num_warps=4, reduce_each_step=True)
     t = tiles or gemv_tiles(T, N, K)
     assert GROUP % t["block_n"] == 0, "block_n must divide 128: a program's rows share one scale row"
+    step = t["groups_per_step"] * GROUP
+    programs = triton.cdiv(N, t["block_n"])
+    ahead = t.get("steps_ahead")
+    if ahead is None:
+        ahead = tuning.gemv_steps_ahead(programs, triton.cdiv(K, step), t["block_n"] * step, t["num_warps"])
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, t["block_n"]),)](
+    _gemv_kernel[(programs,)](
         x, wq, scale, bias if bias is not None else y, y, T, N, K, x.stride(0), wq.stride(0), scale.stride(0),
-        y.stride(0), BT=triton.next_power_of_2(T), BLOCK_N=t["block_n"], G=t["groups_per_step"],
+        y.stride(0), BT=triton.next_power_of_2(T), BLOCK_N=t["block_n"], G=t["groups_per_step"], PRE=ahead,
         HAS_BIAS=bias is not None, REDUCE_EACH_STEP=t.get("reduce_each_step", False), EXACT=INTERPRETED,
         num_warps=t["num_warps"], **launch_options(x))
     return y

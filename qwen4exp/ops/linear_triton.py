@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from ._triton_utils import INTERPRETED, launch_options, pdl_start
 
 # the K loop is unrolled: longer rows would only grow the kernel's code
@@ -30,18 +31,30 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, T, N, stride_x, stride_w, stride_y,
-    K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr
+    K: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
+    PDL: tl.constexpr
 ):
-    pdl_start(PDL)
-    t = tl.arange(0, BT)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t3 = t[:, None, None]
     rows3 = rows[None, :, None]
     kk = tl.arange(0, BLOCK_K)[None, None, :]
+    # the first PRE chunks of weights before the wait: no kernel writes weights, so under PDL that read overlaps
+    # the kernel before this one
+    ahead = ()
+    for i in tl.static_range(PRE):
+        k = i * BLOCK_K + kk
+        ahead = ahead + (tl.load(w_ptr + rows3 * stride_w + k, mask=(rows3 < N) & (k < K), other=0.0,
+                                 eviction_policy="evict_first"),)
+    pdl_start(PDL)
+    t = tl.arange(0, BT)
+    t3 = t[:, None, None]
     acc = tl.zeros((BT, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         k = k0 + kk
-        w = tl.load(w_ptr + rows3 * stride_w + k, mask=(rows3 < N) & (k < K), other=0.0, eviction_policy="evict_first")
+        if k0 < PRE * BLOCK_K:
+            w = ahead[k0 // BLOCK_K]
+        else:
+            w = tl.load(w_ptr + rows3 * stride_w + k, mask=(rows3 < N) & (k < K), other=0.0,
+                        eviction_policy="evict_first")
         # x at the full tile shape (its rows repeat, L1 hits): loaded in the weight's layout, nothing to convert
         x = tl.load(x_ptr + t3 * stride_x + rows3 * 0 + k, mask=(t3 < T) & (k < K), other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)
@@ -71,19 +84,25 @@ def default_tiles(tokens: int, n: int, k: int, element_size: int = 2) -> dict:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-         num_warps: int | None = None) -> torch.Tensor:
+         num_warps: int | None = None, steps_ahead: int | None = None) -> torch.Tensor:
     """F.linear(x, weight) for x [T, K], weight [N, K] (any T; `supported` says when it is dispatched). Tiles default
-    to `default_tiles`."""
+    to `default_tiles`; steps_ahead, the chunks of weights read before the PDL wait, to `tuning.gemv_steps_ahead`."""
     T, K = x.shape
     N = weight.shape[0]
     tiles = default_tiles(T, N, K, x.element_size())
     if INTERPRETED:  # the interpreter runs every program in Python: a few wide ones (the sums are the same)
         tiles["block_n"] = min(64, triton.next_power_of_2(N))
     block_n, block_k = block_n or tiles["block_n"], block_k or tiles["block_k"]
+    num_warps = num_warps or tiles["num_warps"]
+    programs = triton.cdiv(N, block_n)
+    ahead = steps_ahead
+    if ahead is None:
+        ahead = tuning.gemv_steps_ahead(programs, triton.cdiv(K, block_k), block_n * block_k * x.element_size(),
+                                        num_warps)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
+    _gemv_kernel[(programs,)](
         x, weight, y, T, N, x.stride(0), weight.stride(0), y.stride(0),
-        K=K, BT=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps or tiles["num_warps"], **launch_options(x)
+        K=K, BT=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k, PRE=ahead,
+        num_warps=num_warps, **launch_options(x)
     )
     return y

@@ -41,6 +41,29 @@ DOWN_SPLITS = 16
 # [16480, 2560] at 1 token 16.6 / (27.6 quantized inside the tensor-core kernel), at 2 tokens 24.6 / 18.7; out_proj
 # [2560, 6144] at 2 tokens 19.6 / 17.4 (its accumulator doubles at 2 tokens, on CUDA cores).
 FP8_GEMV_MAX_TOKENS = 1
+# Weights a decode GEMV (fp8_triton.gemv, linear_triton.gemv) reads before the PDL wait, overlapping the kernel
+# before it (`gemv_steps_ahead`): every step of a program's row where a thread's share fits GEMV_AHEAD_REGISTERS,
+# else the first step; none where the grid has more than GEMV_AHEAD_MAX_PROGRAMS programs. One H100, one token at
+# flash-next widths, a CUDA graph of one GEMV repeated, us a call, none ahead -> this rule, alternating twice: fp8
+# shared expert gate + up [1280, 2560] (160 programs, 3 steps) 4.69 -> 4.12, down [2560, 640] (320, 1 step) 2.60 ->
+# 2.10, out_proj [2560, 6144] (640, 1 of 6 steps) 9.53 -> 9.56; bf16 router + shared gate [513, 2560] (513, all 10
+# chunks) 4.15 -> 4.05, out_proj [2560, 6144] (640, 1 of 12) 15.05 -> 14.57, shared expert gate + up [1280, 2560]
+# (1280, all 10) 3.94 -> 3.74. Where the grid is larger the programs that wait hold registers and slots the kernel
+# before them needs: bf16 GDN in_proj [16480, 2560] 28.6 -> 29.7 and shared expert down [2560, 640] (2560 programs)
+# 3.48 -> 4.11 with every chunk ahead, fp8 attention q/k/v [13952, 2560] (1744) 15.8 -> 16.0 with one step.
+GEMV_AHEAD_REGISTERS = 48
+GEMV_AHEAD_MAX_PROGRAMS = 1280
+
+
+def gemv_steps_ahead(programs: int, steps: int, weight_bytes_per_step: int, num_warps: int) -> int:
+    """Steps of weights each of a GEMV's `programs` reads before the PDL wait: none if they are more than
+    GEMV_AHEAD_MAX_PROGRAMS, all `steps` if a thread's share of them fits GEMV_AHEAD_REGISTERS, else one."""
+    if programs > GEMV_AHEAD_MAX_PROGRAMS:
+        return 0
+    registers = -(-weight_bytes_per_step // (32 * num_warps * 4))
+    return steps if steps * registers <= GEMV_AHEAD_REGISTERS else min(steps, 1)
+
+
 # Tokens from which the quantization launch feeds torch's block-scaled cuBLAS GEMM instead of fp8_triton.gemm.
 # 1024: cuBLAS ran [4096, 2560] at 23-26 us for 8-64 tokens (10% of HBM bandwidth) and at 137.5 us for 8192
 # (1,250 TFLOP/s). One H100, us a call, cuBLAS / fp8_triton.gemm (each after the quantization launch): the wide

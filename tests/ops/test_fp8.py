@@ -186,6 +186,10 @@ def test_reference_quantization_is_the_same_on_the_gpu():
     # the accumulator reduced every step; 3 steps of 8 groups over 20 (the last partly masked)
     (1, 40, 2560, dict(block_n=8, groups_per_step=8, num_warps=2, reduce_each_step=True), True),
     (2, 16, 640, dict(block_n=4, groups_per_step=16, num_warps=1, reduce_each_step=True), False),
+    # weights read before the PDL wait: none, 2 of 3 steps of 8 groups over 20; both steps of 4 groups over 5
+    (1, 40, 2560, dict(block_n=8, groups_per_step=8, num_warps=2, reduce_each_step=True, steps_ahead=0), True),
+    (1, 40, 2560, dict(block_n=8, groups_per_step=8, num_warps=2, reduce_each_step=True, steps_ahead=2), False),
+    (3, 37, 640, dict(block_n=8, groups_per_step=4, num_warps=1, steps_ahead=2), True),
 ])
 def test_gemv_matches_reference(dtype, tokens, n, k, tiles, bias):
     x = _activations(tokens, k, dtype, seed=tokens + n)

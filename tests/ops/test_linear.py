@@ -38,6 +38,9 @@ def _tol(dtype):
     (1, 37, 200, dict(block_n=4, block_k=64)),
     (MAX_TOKENS, 19, 200, dict(block_n=8, block_k=32, num_warps=2)),
     (2, 5, 72, dict(block_n=1, block_k=16, num_warps=1)),
+    # weights read before the PDL wait: 3 of 5 chunks (the masked last one after), every chunk
+    (1, 37, 200, dict(block_n=4, block_k=64, steps_ahead=3)),
+    (2, 19, 200, dict(block_n=8, block_k=64, num_warps=2, steps_ahead=4)),
 ])
 def test_matches_f_linear(dtype, tokens, n, k, tiles):
     x, w = _inputs(tokens, n, k, dtype)
@@ -56,19 +59,22 @@ def test_strided_rows(dtype):
     torch.testing.assert_close(y, F.linear(x, w), **_tol(dtype))
 
 
-def test_every_k_chunk_and_row_counts():
-    """x nonzero in one K chunk at a time (the masked tail included) and W nonzero in one row at a time: a dropped or
-    repeated chunk, or a misplaced row, gives a wrong (or zero) output."""
+@pytest.mark.parametrize("ahead", [0, 1, 2, 4])
+def test_every_k_chunk_and_row_counts(ahead):
+    """x nonzero in one K chunk at a time (the masked tail included) and W nonzero in one row at a time, with the
+    first `ahead` of the 4 chunks of weights read before the PDL wait: a dropped or repeated chunk, or a misplaced
+    row, gives a wrong (or zero) output."""
     tokens, n, k, block_k = 2, 10, 100, 32
     x, w = _inputs(tokens, n, k, torch.float32, seed=9)
+    tiles = dict(block_n=4, block_k=block_k, steps_ahead=ahead)
     for k0 in range(0, k, block_k):
         xc = torch.zeros_like(x)
         xc[:, k0: k0 + block_k] = x[:, k0: k0 + block_k]
-        torch.testing.assert_close(gemv(xc, w, block_n=4, block_k=block_k), F.linear(xc, w), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gemv(xc, w, **tiles), F.linear(xc, w), rtol=1e-5, atol=1e-6)
     for row in range(n):
         wr = torch.zeros_like(w)
         wr[row] = w[row]
-        torch.testing.assert_close(gemv(x, wr, block_n=4, block_k=block_k), F.linear(x, wr), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gemv(x, wr, **tiles), F.linear(x, wr), rtol=1e-5, atol=1e-6)
 
 
 def test_supported_shapes():
