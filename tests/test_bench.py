@@ -44,7 +44,7 @@ def test_benchmarks_page_is_the_report_of_the_committed_results():
     assert page == report.render(committed_results(), suite.RESULTS_NAME), (
         "docs/benchmarks.md differs from its results: run `qwen4exp bench suite --stages report --results "
         "docs/benchmarks_results.json --out docs`")
-    assert page.count("\n") <= 150
+    assert page.count("\n") <= 180  # a section per measured feature, each short enough to read in one sitting
 
 
 def test_report_stage_writes_the_page_and_plot_and_leaves_the_results_alone(tmp_path, capsys):

@@ -50,6 +50,12 @@ def test_spec_decode_records_acceptance_step_cost_and_projection():
     feature_stages.stage_spec_trained(results, CPU, log, steps=1, seconds=None, corpus_chars=200_000, batch=2,
                                       seq_len=64, prompts=3, prompt_len=24, output_len=8, ks=(1, 2))
     assert "projection" not in results["spec_decode"]
+    results["stages"] = {"spec_trained": {"command": "qwen4exp bench suite --stages spec_trained", "commit": "abc"}}
+    page = report.render(results, suite.RESULTS_NAME)  # the trained model's rows before the step costs are in
+    speedups = " | ".join(f"{'**' * (k == 1)}{results['spec_decode']['trained']['k'][str(k)]['speedup_vs_k0']:.2f}x"
+                          f"{'**' * (k == 1)}" for k in (1, 2))
+    assert f"| ... speedup over k = 0 | >= 1.4x at k = 1 | | {speedups} |" in page
+    assert "commit abc" in page and "batch-1 TPOT" not in page
     feature_stages.stage_spec_dummy(results, CPU, log, preset="tiny", engine_options=TINY_ENGINE, input_len=16,
                                     output_len=8, iters=1, concurrency=2, concurrent_input_len=16,
                                     concurrent_output_len=4, ks=(1, 2))
