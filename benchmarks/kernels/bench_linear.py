@@ -8,15 +8,17 @@ partial products.
              cuBLAS's product against tuning.OUTPUT_SPLITS fp32 partial products summed by the combine, around
              tuning.PARTIALS_MAX_TOKENS.
 
-Each call reads its own copy of the weight, as each layer does, so no call finds it in L2.
+Each call reads its own copy of the weight, as each layer does, so no call finds it in L2. --sweep adds the GEMV at
+one token with none, 1, 2 and every chunk of weights read before the PDL wait (tuning.gemv_steps_ahead picks one).
 
-    python benchmarks/kernels/bench_linear.py [--tokens 1,2,4] [--json out.json]
+    python benchmarks/kernels/bench_linear.py [--tokens 1,2,4] [--sweep] [--json out.json]
 """
 
 import torch.nn.functional as F
+import triton
 
 from qwen4exp.bench.kernels import NEVER, Variant, around, run, with_tuning
-from qwen4exp.ops import hyper_connection_triton, linear, tuning
+from qwen4exp.ops import hyper_connection_triton, linear, linear_triton, tuning
 
 
 def gemv(bench):
@@ -28,11 +30,17 @@ def gemv(bench):
 
             def op():
                 return linear.linear(x, weights.next())
-            bench.measure(case, tokens, [
+            variants = [
                 Variant("cuBLAS", lambda: F.linear(x, weights.next())),
                 Variant("GEMV", with_tuning(op, GEMV_MAX_TOKENS=NEVER)),
                 Variant("dispatched", op),
-            ], calls=calls)
+            ]
+            if bench.args.sweep and tokens == 1:
+                steps = triton.cdiv(k, linear_triton.default_tiles(tokens, n, k, x.element_size())["block_k"])
+                for ahead in sorted({0, 1, min(2, steps), steps}):
+                    variants.append(Variant(f"GEMV, {ahead} ahead", lambda a=ahead: linear_triton.gemv(
+                        x, weights.next(), steps_ahead=a)))
+            bench.measure(case, tokens, variants, calls=calls)
 
 
 def partials(bench):
@@ -61,5 +69,9 @@ def main(bench):
     partials(bench)
 
 
+def arguments(p):
+    p.add_argument("--sweep", action="store_true", help="also time the GEMV with other steps of weights ahead")
+
+
 if __name__ == "__main__":
-    run(main, __doc__, "linear")
+    run(main, __doc__, "linear", arguments=arguments)
