@@ -305,18 +305,18 @@ def _spec_decode(results: dict) -> list[str]:
     text = (f"`small` trained with its MTP layer for {_f(t['train_s'], '{:.0f}')} s ({t['steps']} steps, loss "
             f"{_f(t['first_loss'], '{:.2f}')} -> {_f(t['last_loss_mean10'], '{:.2f}')}, MTP loss "
             f"{_f(t.get('mtp_last_loss_mean10'), '{:.2f}')}), batch-1 greedy decode of {trained['prompts']} held-out "
-            f"code prompts, {trained['prompt_len']} in / {trained['output_len']} out.")
+            f"code prompts, {trained['prompt_len']} in / {trained['output_len']} out")
     rows = [row("`small` trained: median TPOT, ms", "", tk, "median_tpot_ms", "{:.2f}"),
             row("... draft tokens accepted at each position", "", tk, "per_position_acceptance", ""),
             row("... tokens per step (acceptance length)", "", tk, "acceptance_length", "{:.2f}"),
             row("... speedup over k = 0", ">= 1.4x at k = 1", tk, "speedup_vs_k0", "{:.2f}x", bold="1")]
     if dummy:
         projected = {"0": {"tok_s": data["projection"]["k0_tok_s"]}} | data["projection"]["k"]
-        text += (f" `{dummy['preset']}` on random bf16 weights: batch 1 ({dummy['input_len']} in / "
+        text += (f". `{dummy['preset']}` on random bf16 weights: batch 1 ({dummy['input_len']} in / "
                  f"{dummy['output_len']} out), {dummy['concurrency']} concurrent ({dummy['concurrent_input_len']} in "
                  f"/ {dummy['concurrent_output_len']} out). Random weights' drafts are almost never accepted, but a "
                  "step computes all 1 + k rows whatever is accepted: its time is TPOT x tokens per step, and the "
-                 "projection is the trained model's tokens per step over that time.")
+                 "projection is the trained model's tokens per step over that time")
         rows += [row(f"`{dummy['preset']}`: batch-1 TPOT, ms", "", dk, "median_tpot_ms", "{:.2f}"),
                  row("... step time (TPOT x tokens per step) / decode step", "<= 1.15 at k = 1", dk, "step_over_k0",
                      "{:.3f}", bold="1"),
@@ -324,7 +324,7 @@ def _spec_decode(results: dict) -> list[str]:
                      "{:.1f}", base="tok_s"),
                  row(f"... {dummy['concurrency']} concurrent, output tok/s", "", dk, "concurrent_tok_s", "{:.0f}",
                      base="concurrent_tok_s")]
-    return ["## Speculative decoding (MTP)", "", f"{text[:-1]} ({ran}).", "",
+    return ["## Speculative decoding (MTP)", "", f"{text} ({ran}).", "",
             "| measure | target | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|---|" + "---|" * len(ks),
             *rows, ""]
 

@@ -140,6 +140,13 @@ def quantize(x: torch.Tensor, rows: int | None = None, scale_columns: bool = Fal
 
 
 @triton.jit
+def _gemv_weights(w_ptrs, ws_ptrs, k0, rows4, k4, gg, N, K):
+    """`_gemv_kernel`'s weights at column k0 ([1, BLOCK_N, G, 128] fp8) and their blocks' scales ([G])."""
+    w = tl.load(w_ptrs + k0, mask=(rows4 < N) & (k0 + k4 < K), other=0.0, eviction_policy="evict_first")
+    return w, tl.load(ws_ptrs + k0 // _GROUP, mask=k0 + gg * _GROUP < K, other=0.0)
+
+
+@triton.jit
 def _gemv_step(acc, w, ws, x_ptrs, k0, t_ok, k3, gg, K, REDUCE_EACH_STEP: tl.constexpr, EXACT: tl.constexpr):
     """One step of `_gemv_kernel`: the tokens' G groups of x at column k0 quantized, scaled by their own and the
     weight blocks' scales (ws [G]) and multiplied into the rows' weights w [1, BLOCK_N, G, 128]."""
@@ -178,10 +185,7 @@ def _gemv_kernel(
     ws_ptrs = ws_ptr + (pid * BLOCK_N // _GROUP) * stride_ws + gg
     ahead = ()
     for i in tl.static_range(PRE):
-        k0 = i * G * _GROUP
-        ahead = ahead + ((tl.load(w_ptrs + k0, mask=(rows4 < N) & (k0 + k4 < K), other=0.0,
-                                  eviction_policy="evict_first"),
-                          tl.load(ws_ptrs + k0 // _GROUP, mask=k0 + gg * _GROUP < K, other=0.0)),)
+        ahead = ahead + (_gemv_weights(w_ptrs, ws_ptrs, i * G * _GROUP, rows4, k4, gg, N, K),)
     pdl_start(PDL)
     t = tl.arange(0, BT)
     k3 = gg[None, :, None] * _GROUP + kk[None, None, :]
@@ -195,8 +199,7 @@ def _gemv_kernel(
         acc = _gemv_step(acc, ahead[i][0], ahead[i][1], x_ptrs, i * G * _GROUP, t_ok, k3, gg, K, REDUCE_EACH_STEP,
                          EXACT)
     for k0 in range(PRE * G * _GROUP, K, G * _GROUP):
-        w = tl.load(w_ptrs + k0, mask=(rows4 < N) & (k0 + k4 < K), other=0.0, eviction_policy="evict_first")
-        ws = tl.load(ws_ptrs + k0 // _GROUP, mask=k0 + gg * _GROUP < K, other=0.0)
+        w, ws = _gemv_weights(w_ptrs, ws_ptrs, k0, rows4, k4, gg, N, K)
         acc = _gemv_step(acc, w, ws, x_ptrs, k0, t_ok, k3, gg, K, REDUCE_EACH_STEP, EXACT)
     if REDUCE_EACH_STEP:
         y = acc

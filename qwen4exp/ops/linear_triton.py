@@ -28,6 +28,11 @@ _MAX_K = 16384
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@triton.jit
+def _gemv_weights(w_ptr, rows3, stride_w, k, N, K):
+    return tl.load(w_ptr + rows3 * stride_w + k, mask=(rows3 < N) & (k < K), other=0.0, eviction_policy="evict_first")
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, T, N, stride_x, stride_w, stride_y,
@@ -41,9 +46,7 @@ def _gemv_kernel(
     # the kernel before this one
     ahead = ()
     for i in tl.static_range(PRE):
-        k = i * BLOCK_K + kk
-        ahead = ahead + (tl.load(w_ptr + rows3 * stride_w + k, mask=(rows3 < N) & (k < K), other=0.0,
-                                 eviction_policy="evict_first"),)
+        ahead = ahead + (_gemv_weights(w_ptr, rows3, stride_w, i * BLOCK_K + kk, N, K),)
     pdl_start(PDL)
     t = tl.arange(0, BT)
     t3 = t[:, None, None]
@@ -53,8 +56,7 @@ def _gemv_kernel(
         if k0 < PRE * BLOCK_K:
             w = ahead[k0 // BLOCK_K]
         else:
-            w = tl.load(w_ptr + rows3 * stride_w + k, mask=(rows3 < N) & (k < K), other=0.0,
-                        eviction_policy="evict_first")
+            w = _gemv_weights(w_ptr, rows3, stride_w, k, N, K)
         # x at the full tile shape (its rows repeat, L1 hits): loaded in the weight's layout, nothing to convert
         x = tl.load(x_ptr + t3 * stride_x + rows3 * 0 + k, mask=(t3 < T) & (k < K), other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)
