@@ -36,6 +36,7 @@ class ConfigError(ValueError):
 
 
 QUANT_METHODS = ("fp8",)
+SSM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,9 @@ class ModelConfig:
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     output_gate_type: str = "silu"
+    # the recurrent state's storage dtype the checkpoint asks for (the released config's `mamba_ssm_dtype`); what the
+    # engine uses is EngineConfig.mamba_ssm_cache_dtype, whose auto follows this
+    mamba_ssm_dtype: str = "float32"
     # MoE
     num_experts: int = 512
     num_experts_per_tok: int = 10
@@ -364,6 +368,8 @@ def _validate(c: ModelConfig) -> None:
     bad = sorted(set(c.layer_types) - {LINEAR, INDEXED})
     if bad:
         raise ConfigError("layer_types", f"unsupported Qwen4-Exp layer types {bad}")
+    if c.mamba_ssm_dtype not in SSM_DTYPES:
+        raise ConfigError("mamba_ssm_dtype", f"must be one of {', '.join(SSM_DTYPES)}, got {c.mamba_ssm_dtype!r}")
     if c.output_gate_type not in ("sigmoid", "silu"):
         raise ConfigError("output_gate_type", f"must be 'sigmoid' or 'silu', got {c.output_gate_type!r}")
     if c.hidden_act != "silu":
@@ -731,6 +737,13 @@ class EngineConfig:
         None, "speculative decoding as vLLM's JSON object, '{\"method\": \"mtp\", \"num_speculative_tokens\": k}': "
               "the checkpoint's multi-token-prediction layer drafts k tokens (1 to 4) after each sampled one and one "
               "step of the model verifies them; outputs are distributed as without it", parse=json_object_arg)
+    mamba_ssm_cache_dtype: str = _option(
+        "auto", "storage of the GDN layers' recurrent state (vLLM's flag). bfloat16 halves it (a flash-next state "
+                "slot shrinks from 110 to 56 MiB) and the bytes each decode step moves for it; the state is rounded "
+                "to it after every decoded token and where a prefill chunk ends (greedy speculative decoding stays "
+                "identical to decoding without it). auto: the checkpoint's mamba_ssm_dtype, else float32 (what "
+                "transformers computes; vLLM's auto is the model dtype unless the checkpoint names one)",
+        ("auto", *SSM_DTYPES))
     limit_mm_per_prompt: dict | None = _option(
         None, "the most images of one prompt, as vLLM's JSON object ('{\"image\": 4}'); a prompt with more is "
               "refused (default: no limit)", parse=json_object_arg)
@@ -780,6 +793,12 @@ class EngineConfig:
                 torch.device(self.device)
             except RuntimeError:
                 raise ConfigError("device", f"expected cuda, cuda:N or cpu, got {self.device!r}") from None
+
+    def ssm_dtype(self, model_config: ModelConfig) -> str:
+        """The recurrent state's storage dtype for `model_config`: mamba_ssm_cache_dtype, auto resolved."""
+        if self.mamba_ssm_cache_dtype == "auto":
+            return model_config.mamba_ssm_dtype
+        return self.mamba_ssm_cache_dtype
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -87,6 +87,7 @@ class MemoryPlan:
     max_num_seqs: int
     slots_per_sequence: int = 1  # 1 + k with k-token speculative decoding (a state after each draft)
     checkpoint_slots: int = 0  # prefix caching's saved states (engine/prefix_cache.py)
+    ssm_dtype: str = "float32"  # the GDN recurrent states' storage (EngineConfig.mamba_ssm_cache_dtype)
     num_pages: int = 0  # decided by `plan_cache` (page 0 is the null page)
     weights: dict[str, int] = field(default_factory=dict)  # bytes on the device by dtype
     tables: tuple[int, str] | None = None  # (bytes, where) of the n-gram tables
@@ -123,7 +124,7 @@ class MemoryPlan:
         if self.checkpoint_slots:
             per += f", {self.checkpoint_slots} prefix-cache checkpoints"
         rows.append(f"  state slots        {_gib(self.num_slots * self.slot_bytes):>10}  ({self.num_slots} slots of "
-                    f"{self.slot_bytes / 2**20:.1f} MiB: GDN recurrent + conv, PLE conv{per})")
+                    f"{self.slot_bytes / 2**20:.1f} MiB: GDN recurrent ({self.ssm_dtype}) + conv, PLE conv{per})")
         rows.append(f"  KV cache pages     {_gib(self.num_pages * self.page_bytes):>10}  ({usable} pages of "
                     f"{self.page_size} tokens = {usable * self.page_size} tokens)")
         if self.reserve is not None:

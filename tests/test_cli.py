@@ -29,6 +29,7 @@ NON_DEFAULT_FLAGS = [
     "--quantization", "fp8", "--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5}',
     "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--limit-mm-per-prompt", '{"image": 3}',
     "--tensor-parallel-size", "2", "--enable-expert-parallel", "--ple-table-parallel", "rows",
+    "--mamba-ssm-cache-dtype", "bfloat16",
 ]
 
 
@@ -67,7 +68,8 @@ def test_engine_flags_reach_the_config(command):
         ple_table_dtype="fp8",
         quantization="fp8", generation_config="vllm", override_generation_config={"temperature": 0.5},
         speculative_config={"method": "mtp", "num_speculative_tokens": 2}, limit_mm_per_prompt={"image": 3},
-        tensor_parallel_size=2, enable_expert_parallel=True, ple_table_parallel="rows")
+        tensor_parallel_size=2, enable_expert_parallel=True, ple_table_parallel="rows",
+        mamba_ssm_cache_dtype="bfloat16")
     assert all(getattr(config, f.name) != f.default for f in fields(EngineConfig))
 
 

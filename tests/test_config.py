@@ -85,6 +85,7 @@ def test_generation_config_sets_stop_tokens(tmp_path):
         (dict(mtp=dict(num_hidden_layers=2)), "mtp.num_hidden_layers"),
         (dict(mtp=dict(layer_types=["full_attention"] * 2)), "mtp.layer_types"),
         (dict(mtp="yes"), "mtp"),
+        (dict(mamba_ssm_dtype="float64"), "mamba_ssm_dtype"),
     ],
 )
 def test_invalid_config_names_the_field(tmp_path, over, field):
@@ -132,10 +133,27 @@ def test_missing_config_file(tmp_path):
                                          (dict(dtype="int8"), "dtype"), (dict(device="gpu"), "device"),
                                          (dict(load_format="gguf"), "load_format"),
                                          (dict(cuda_graph_sizes=[4, 0]), "cuda_graph_sizes"),
-                                         (dict(num_pages=0), "num_pages"), (dict(page_size=1.5), "page_size")])
+                                         (dict(num_pages=0), "num_pages"), (dict(page_size=1.5), "page_size"),
+                                         (dict(mamba_ssm_cache_dtype="fp8"), "mamba_ssm_cache_dtype")])
 def test_engine_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**over)
+
+
+def test_recurrent_state_dtype_follows_the_checkpoint_unless_set(tmp_path):
+    """mamba_ssm_cache_dtype auto: the checkpoint's mamba_ssm_dtype (float32 as released, and where it is absent,
+    as transformers computes); a value given wins, in both directions."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    released = load_model_config(write(tmp_path / "a", tiny()))
+    cfg = tiny()
+    cfg.pop("mamba_ssm_dtype")
+    absent = load_model_config(write(tmp_path / "b", cfg))
+    bf16 = load_model_config(write(tmp_path, tiny(mamba_ssm_dtype="bfloat16")))
+    assert EngineConfig().ssm_dtype(released) == EngineConfig().ssm_dtype(absent) == "float32"
+    assert EngineConfig().ssm_dtype(bf16) == "bfloat16"
+    assert EngineConfig(mamba_ssm_cache_dtype="float32").ssm_dtype(bf16) == "float32"
+    assert EngineConfig(mamba_ssm_cache_dtype="bfloat16").ssm_dtype(released) == "bfloat16"
 
 
 def test_cli_reports_bad_options_in_one_line(tmp_path, capsys):

@@ -80,10 +80,11 @@ def test_gpu_mixed_step_graphs_match_the_reference(indexer_budget):
     assert llm.llm_engine.cache.all_free()
 
 
-@pytest.mark.parametrize("decodes", [0, 2])
-def test_fla_bf16_prefill_matches_the_chunked_reference(decodes):
+@pytest.mark.parametrize("decodes,state_dtype", [(0, torch.float32), (2, torch.float32), (2, torch.bfloat16)])
+def test_fla_bf16_prefill_matches_the_chunked_reference(decodes, state_dtype):
     """bf16 prefill through fla's varlen chunk kernel (state slots gathered / scattered) vs the fp32 reference; with
-    decodes, a mixed step: one-token requests first (the recurrent kernel), fla's sequences starting after them."""
+    decodes, a mixed step: one-token requests first (the recurrent kernel), fla's sequences starting after them;
+    state slots in fp32 or bf16 (--mamba-ssm-cache-dtype)."""
     pytest.importorskip("fla")
     from functools import partial
     from types import SimpleNamespace
@@ -98,7 +99,7 @@ def test_fla_bf16_prefill_matches_the_chunked_reference(decodes):
     v = torch.randn(T, hv, d, generator=g)
     gate = -torch.rand(T, hv, generator=g) * 0.5
     beta = torch.rand(T, hv, generator=g)
-    state = torch.randn(5, hv, d, d, generator=g) * 0.1
+    state = (torch.randn(5, hv, d, d, generator=g) * 0.1).to(state_dtype)
     qsl = [0] + torch.tensor(lens).cumsum(0).tolist()
     slots, has_init = [0, 2][:decodes] + [3, 1, 4], [True] * decodes + [True, False, True]
     ref_state = state.clone()
@@ -116,7 +117,8 @@ def test_fla_bf16_prefill_matches_the_chunked_reference(decodes):
     out = gated_delta_rule(*(t.cuda().bfloat16() for t in (q, k, v)), gate.cuda(), beta.cuda().bfloat16(),
                            gpu_state, meta)
     torch.testing.assert_close(out.float().cpu(), ref, atol=5e-2, rtol=5e-2)
-    torch.testing.assert_close(gpu_state.cpu()[slots], ref_state[slots], atol=5e-2, rtol=5e-2)
+    assert gpu_state.dtype == state_dtype
+    torch.testing.assert_close(gpu_state.cpu()[slots].float(), ref_state[slots].float(), atol=5e-2, rtol=5e-2)
 
 
 def test_host_and_gpu_fp8_tables_give_identical_outputs_with_graphs():
@@ -343,6 +345,31 @@ def test_gpu_decode_of_requests_with_images_replays_graphs_and_equals_the_cpu(tm
         lp = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
         lp_ref = [d[t].logprob for d, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_ref), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_gpu_bf16_state_speculation_equals_decoding_without_it(k, tmp_path):
+    """--mamba-ssm-cache-dtype bfloat16 on the GPU (graphs, the recurrent kernel rounding the state after every
+    verified row): greedy tokens and logprobs with speculation equal decoding's without it on the same state dtype.
+    Every prompt prefills in one step both ways (a bf16 state is also rounded where a prefill chunk ends)."""
+    import random
+
+    from test_spec_decode import assert_same_outputs, generate
+
+    from qwen4exp import LLM
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    d = make_random(str(tmp_path / "tiny"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 256})
+    rng = random.Random(5)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 60))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 30), ignore_eos=True, logprobs=1))
+                for i in range(8)]
+    engine = dict(dtype="float32", max_model_len=256, page_size=8, num_pages=200, max_num_seqs=8,
+                  mamba_ssm_cache_dtype="bfloat16")
+    expected = generate(LLM(d, device="cuda", **engine), requests)
+    llm = LLM(d, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
+    assert_same_outputs(generate(llm, requests), expected, requests)
+    assert llm.llm_engine.cache.all_free()
 
 
 @pytest.mark.parametrize("drafts", ["mtp", "half right"])

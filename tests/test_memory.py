@@ -84,3 +84,24 @@ def test_prefix_caching_checkpoints_say_what_turning_them_off_would_hold():
     assert plan_cache(plan(6.0, max_num_seqs=32)).max_concurrent >= 1
     given = plan_cache(with_checkpoints(13.0), num_pages=9000)  # given pages: no trade to offer
     assert "--no-enable-prefix-caching" not in "\n".join(given.lines())
+
+
+def test_bf16_recurrent_state_halves_the_gdn_share_of_a_state_slot(tmp_path):
+    """flash-next's state slot: 36 GDN layers of 48 x 128 x 128 recurrent state (108 MiB in fp32, 54 in bf16), beside
+    the conv windows and the PLE window, which keep the model dtype; the start-up table names the state dtype."""
+    import json
+
+    import torch
+
+    from qwen4exp.config import load_model_config
+    from qwen4exp.model.state import slot_bytes
+    from qwen4exp.weights.random_checkpoint import preset_config
+
+    (tmp_path / "config.json").write_text(json.dumps(preset_config("flash-next")))
+    c = load_model_config(str(tmp_path))
+    fp32, bf16 = slot_bytes(c, torch.bfloat16), slot_bytes(c, torch.bfloat16, torch.bfloat16)
+    assert fp32 - bf16 == 36 * 48 * 128 * 128 * 2 == 54 * 2**20
+    assert 110 * 2**20 < fp32 < 111 * 2**20
+    p = plan(12.0)
+    p.slot_bytes, p.ssm_dtype = bf16, "bfloat16"
+    assert "GDN recurrent (bfloat16) + conv" in "\n".join(plan_cache(p).lines())

@@ -406,6 +406,33 @@ def test_small_preset_greedy_outputs_equal_decoding_without_speculation(tmp_path
     assert engine.cache.all_free()
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_bf16_state_slots_keep_speculation_token_identical(tiny_dir, k):
+    """--mamba-ssm-cache-dtype bfloat16: the GDN states are stored in bf16 (the conv windows stay in the model dtype),
+    and greedy outputs with speculation equal those without it on the same state dtype, logprobs within 1e-4: the
+    verification rounds the state after every row, as one-token steps store it. Each prompt prefills in one step
+    both ways: a bf16 state is also rounded where a prefill is split into chunks, so outputs depend slightly on
+    the split (as in vLLM), which speculation changes."""
+    rng = random.Random(3)
+    requests = []
+    for i in range(10):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))]
+        kw = dict(temperature=0.0, max_tokens=rng.randrange(4, 15), ignore_eos=True)
+        if i % 3 == 1:
+            kw.update(logprobs=2)
+        requests.append((str(i), prompt, SamplingParams(**kw)))
+    state = dict(ENGINE, num_pages=160, max_num_seqs=16, mamba_ssm_cache_dtype="bfloat16")
+    plain = LLM(tiny_dir, **state)
+    gdn = [layer for layer in plain.llm_engine.runner.cache.layers if hasattr(layer, "ssm")]
+    assert gdn and all(g.ssm.dtype == torch.bfloat16 and g.conv.dtype == torch.float32 for g in gdn)
+    expected = generate(plain, requests)
+    llm = LLM(tiny_dir, **state, speculative_config=speculative(k))
+    assert_same_outputs(generate(llm, requests), expected, requests)
+    engine = llm.llm_engine
+    assert engine.metrics.total("vllm:spec_decode_num_accepted_tokens_total") > 0
+    assert engine.cache.all_free()
+
+
 # ----- configuration, seeds, metrics -----
 
 @pytest.mark.parametrize("value,field", [

@@ -106,9 +106,11 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
     mtp = e.speculative_config is not None
     per_seq = 1 + e.num_speculative_tokens
     checkpoints = e.max_num_seqs if e.enable_prefix_caching else 0
+    ssm_dtype = getattr(torch, e.ssm_dtype(c))
     plan = MemoryPlan(str(device), e.cpu_cache_bytes, page_size, max(page_bytes(c, page_size, dtype, mtp), 1),
-                      max(slot_bytes(c, dtype), 1), per_seq * e.max_num_seqs + 1 + checkpoints,
-                      e.max_model_len or c.max_position_embeddings, e.max_num_seqs, per_seq, checkpoints)
+                      max(slot_bytes(c, dtype, ssm_dtype), 1), per_seq * e.max_num_seqs + 1 + checkpoints,
+                      e.max_model_len or c.max_position_embeddings, e.max_num_seqs, per_seq, checkpoints,
+                      ssm_dtype=e.ssm_dtype(c))
     hints = []
     if device.type == "cuda":
         memory = DeviceMemory.measure(device, e.gpu_memory_utilization)
@@ -116,6 +118,8 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
         plan.reserve = memory.total - int(memory.total * memory.utilization)
         if memory.utilization < 0.95:
             hints.append("--gpu-memory-utilization 0.95")
+    if plan.ssm_dtype == "float32":
+        hints.append("--mamba-ssm-cache-dtype bfloat16")
     if model is not None:
         tables = set(table_names(model))
         plan.weights = weights_by_dtype(model, device, skip=tables)
@@ -132,7 +136,7 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
     # every rank holds the same pages and slots: the fewest any rank's memory holds
     plan.num_pages, plan.max_model_len = distributed.min_over_ranks([plan.num_pages, plan.max_model_len])
     allocator = CacheAllocator(plan.num_pages, plan.num_slots - checkpoints, page_size, checkpoints)
-    tensors = allocate_cache(c, plan.num_pages, page_size, plan.num_slots, dtype, device, mtp)
+    tensors = allocate_cache(c, plan.num_pages, page_size, plan.num_slots, dtype, device, mtp, ssm_dtype)
     logger.info(
         "KV cache: %d pages = %d tokens, %d state slots%s", allocator.pages.num_usable,
         allocator.pages.num_usable * page_size, allocator.slots.num_usable,

@@ -2,7 +2,8 @@
 
 Attention layers: paged K/V plus QSA's raw indexer keys and compressed block keys (see ops/attention.py).
 GDN layers: one state slot per running request, conv window [conv_dim, K-1] in the model dtype and the recurrent
-state [Hv, Dk, Dv] in fp32. PLE layers: a conv window [hc*H, (K-1)*ngram_size] per slot. Slot 0 is the null slot.
+state [Hv, Dk, Dv] in fp32 (or `ssm_dtype`: EngineConfig.mamba_ssm_cache_dtype). PLE layers: a conv window
+[hc*H, (K-1)*ngram_size] per slot. Slot 0 is the null slot.
 With `mtp`, the MTP draft layers' attention caches follow the decoder layers' (`ModelCache.layers[num_hidden_layers
 + i]`), on the same pages: a request's page ids index every attention layer's cache, the draft layers' included.
 Over several ranks each holds the caches of its heads (`rank_heads`): its key/value heads, its GDN heads.
@@ -70,20 +71,22 @@ def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype, mtp: boo
     return int(per_token * page_size * esize) * num_attention_layers(config, mtp)
 
 
-def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+def slot_bytes(config: ModelConfig, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
     """Bytes of one state slot across all GDN and PLE layers."""
     esize = torch.tensor([], dtype=dtype).element_size()
     c, heads = config, rank_heads(config)
     gdn = heads.gdn_conv_dim * (c.linear_conv_kernel_dim - 1) * esize
-    gdn += heads.gdn_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    gdn += heads.gdn_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * ssm_dtype.itemsize
     ple = c.hc_count * c.hidden_size * c.ple_conv_state_len * esize
     return gdn * (c.num_hidden_layers - c.layer_types.count(INDEXED)) + ple * len(c.ple_layer_ids)
 
 
 def allocate_cache(
-    config: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device, mtp: bool = False
+    config: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device, mtp: bool = False,
+    ssm_dtype: torch.dtype = torch.float32,
 ) -> ModelCache:
-    """Every layer's cache tensors; with `mtp`, an attention cache per MTP layer after the decoder layers'."""
+    """Every layer's cache tensors, the GDN recurrent states in `ssm_dtype`; with `mtp`, an attention cache per MTP
+    layer after the decoder layers'."""
     c, heads = config, rank_heads(config)
 
     def attention() -> AttentionCache:
@@ -108,7 +111,7 @@ def allocate_cache(
                                device=device)
             ssm = torch.zeros(
                 num_slots, heads.gdn_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                dtype=torch.float32, device=device,
+                dtype=ssm_dtype, device=device,
             )
             layers.append(GDNState(conv, ssm))
     if mtp:

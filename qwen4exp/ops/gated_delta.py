@@ -1,9 +1,13 @@
-"""Gated delta rule (the Gated DeltaNet recurrence) over a flat batch, with fp32 state slots.
+"""Gated delta rule (the Gated DeltaNet recurrence) over a flat batch, with state slots in fp32 (or bf16 / fp16:
+EngineConfig.mamba_ssm_cache_dtype).
 
 Per value head, with state S in R^{Dk x Dv}:
     S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
 with q, k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5. Query/key head h serves value heads h*r .. h*r+r-1.
-Prefill runs the chunked (UT-transform) form, single tokens the recurrent form; both are fp32.
+Prefill runs the chunked (UT-transform) form, single tokens the recurrent form; both are fp32. State slots narrower
+than fp32 hold the state rounded to their dtype: the chunked form rounds it once, when it stores it; the recurrent
+form after every token (as if each token were its own step), so verifying k drafts token by token leaves the state
+k + 1 one-token steps would.
 """
 
 import functools
@@ -42,9 +46,11 @@ def _prepare(q, k, v, g, beta):
     return q, _l2norm(k), v, g.t().float(), beta.t().float()
 
 
-def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state, states_after: list | None = None):
+def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state, states_after: list | None = None,
+                                   state_dtype: torch.dtype = torch.float32):
     """One sequence token by token. q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; state: [Hv, Dk, Dv] fp32.
-    Returns (out [n, Hv, Dv] fp32, final state); `states_after`, when given, receives the state after each token."""
+    Returns (out [n, Hv, Dv] fp32, final state); `states_after`, when given, receives the state after each token.
+    `state_dtype`: the state slots' dtype, to which the state is rounded after each token's output."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     out = torch.empty_like(v)
     for t in range(v.shape[1]):
@@ -53,6 +59,8 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state, states_after: list |
         delta = (v[:, t] - predicted) * beta[:, t, None]
         state = state + k[:, t, :, None] * delta[:, None, :]
         out[:, t] = (state * q[:, t, :, None]).sum(-2)
+        if state_dtype != torch.float32:
+            state = state.to(state_dtype).float()
         if states_after is not None:
             states_after.append(state)
     return out.transpose(0, 1), state
@@ -104,7 +112,7 @@ def gated_delta_rule_ref(
     has_initial_state: list[bool],
     token_slots: list[int] | None = None,
 ) -> torch.Tensor:
-    """Flat batch: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; ssm_state [S, Hv, Dk, Dv] fp32.
+    """Flat batch: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; ssm_state [S, Hv, Dk, Dv] fp32, bf16 or fp16.
     Returns out [T, Hv, Dv] in v's dtype and writes each request's final state into its slot. token_slots [T]
     (speculative verification): where token_slots[t] >= 0, the state after row t is also written into that slot
     (such requests run token by token, as decoding does)."""
@@ -117,7 +125,8 @@ def gated_delta_rule_ref(
         stored = token_slots is not None and any(t >= 0 for t in token_slots[s:e])
         if stored:
             after = []
-            o, final = recurrent_gated_delta_rule_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init.float(), after)
+            o, final = recurrent_gated_delta_rule_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init.float(), after,
+                                                      ssm_state.dtype)
             for t, state in zip(token_slots[s:e], after):
                 if t >= 0:
                     ssm_state[t] = state
@@ -203,12 +212,12 @@ def gated_delta_rule(q, k, v, g, beta, ssm_state, meta) -> torch.Tensor:
         # holds every row and only the decode rows are filled in afterwards (copying the prefill rows into a fresh
         # tensor cost ~0.1 ms a layer at 16k tokens); rows before cu[0] only pass through fla's q/k l2norm
         slots = meta.state_slots[d:]
-        init = torch.where(meta.has_initial[d:, None, None, None], ssm_state[slots], 0.0)
+        init = torch.where(meta.has_initial[d:, None, None, None], ssm_state[slots].float(), 0.0)
         cu = meta.query_start_loc[d:].long()
         o, final = chunk(q[None], k[None], v[None], g[None].float(), beta[None], initial_state=init,
                          output_final_state=True, cu_seqlens=cu, chunk_indices=meta.prefill_chunk_indices(CHUNK),
                          use_qk_l2norm_in_kernel=True)
-        ssm_state[slots] = final.float()
+        ssm_state[slots] = final.to(ssm_state.dtype)
         out = o[0].to(v.dtype)
     if d:
         out[:rows] = fused_recurrent_gated_delta_rule(q[:rows], k[:rows], v[:rows], g[:rows], beta[:rows], ssm_state,

@@ -4,9 +4,10 @@ Each of B requests brings one token (decode), or, with `query_start_loc`, its ow
 length, none included: speculative verification and the mixed steps of CUDA graphs, where the token loop replaces the
 chunked prefill form; its cost grows with the longest request's tokens): q, k [T, Hk, Dk] and v [T, Hv, Dv]
 (bf16/fp16/fp32), g [T, Hv] fp32 log-decay, beta [T, Hv]. Per value
-head h (query/key head h // (Hv // Hk)), with fp32 state S [Dk, Dv] taken from ssm_state[state_slots[b]] (zeros
+head h (query/key head h // (Hv // Hk)), with state S [Dk, Dv] taken from ssm_state[state_slots[b]] (zeros
 where has_initial_state[b] is False), q and k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5, each token does
-    S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
+    S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+in fp32; with state slots in bf16 or fp16, S is then rounded to their dtype (every token, as gated_delta.py says).
 Returns o [T, Hv, Dv] in v's dtype; writes the state after the last token back into ssm_state[state_slots[b]]
 (in place) and, with `query_start_loc` (speculative verification), the state after token t into
 ssm_state[token_slots[t]] where token_slots [>= T] int64 is >= 0 (slots no request of the call starts from).
@@ -71,13 +72,22 @@ def _token_step(
 
 
 @triton.jit
+def _round_state(state, state_ptr):
+    """The fp32 state rounded to the slots' dtype (bf16 by hand: the interpreter's casts truncate), kept in fp32."""
+    if state_ptr.dtype.element_ty == tl.bfloat16:
+        return round_to_bf16(state)
+    else:
+        return state.to(state_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _store_token_state(state, tok, token_slots_ptr, state_ptr, h, offs_k, offs_v, stride_ss, stride_sh, stride_sk,
                        stride_sv, DK: tl.constexpr, BV: tl.constexpr):
     """The state after token `tok` into slot token_slots[tok], where that is >= 0."""
     out_slot = tl.load(token_slots_ptr + tok)
     ptrs = (state_ptr + tl.maximum(out_slot, 0) * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk
             + offs_v[None, :] * stride_sv)
-    tl.store(ptrs, state, mask=(tl.zeros([DK, BV], dtype=tl.int64) + out_slot) >= 0)
+    tl.store(ptrs, state.to(state_ptr.dtype.element_ty), mask=(tl.zeros([DK, BV], dtype=tl.int64) + out_slot) >= 0)
 
 
 @triton.jit
@@ -87,7 +97,7 @@ def _fused_recurrent_gdn_kernel(
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk, stride_sv,
     scale,
-    HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    HEAD_RATIO: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, ROUND_STATE: tl.constexpr,
     RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, TOKEN_SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
     PDL: tl.constexpr
 ):
@@ -122,6 +132,8 @@ def _fused_recurrent_gdn_kernel(
             state = _token_step(state, tok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt,
                                 stride_vt, stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off, b_off, o_off,
                                 offs_k, offs_v, scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
+            if ROUND_STATE:
+                state = _round_state(state, state_ptr)
             if TOKEN_SLOTS:
                 _store_token_state(state, tok, token_slots_ptr, state_ptr, h, offs_k, offs_v, stride_ss, stride_sh,
                                    stride_sk, stride_sv, DK, BV)
@@ -129,8 +141,10 @@ def _fused_recurrent_gdn_kernel(
         state = _token_step(state, b, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt, stride_vt,
                             stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off, b_off, o_off, offs_k, offs_v,
                             scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
+        if ROUND_STATE:
+            state = _round_state(state, state_ptr)
 
-    tl.store(s_ptrs, state)
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty))
 
 
 def _is_pow2(n: int) -> bool:
@@ -162,7 +176,7 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         assert query_start_loc.shape == (B + 1,) and k.shape == q.shape and v.shape[0] == total
     assert hv % hk == 0 and _is_pow2(dk) and _is_pow2(dv), "grouped heads; Dk and Dv powers of two"
     assert g.shape == (total, hv) and beta.shape == (total, hv)
-    assert ssm_state.dtype == torch.float32 and ssm_state.shape[1:] == (hv, dk, dv)
+    assert ssm_state.dtype in (torch.float32, torch.bfloat16, torch.float16) and ssm_state.shape[1:] == (hv, dk, dv)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert state_slots.dtype == torch.int64 and has_initial_state.shape == (B,)
     if gate_params is not None:
@@ -189,7 +203,7 @@ def _launch(q, k, v, g, beta, gate_params, ssm_state, state_slots, has_initial_s
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         *ssm_state.stride(),
         dk ** -0.5,
-        HEAD_RATIO=hv // hk, DK=dk, BV=bv,
+        HEAD_RATIO=hv // hk, DK=dk, BV=bv, ROUND_STATE=ssm_state.dtype != torch.float32,
         RAW_GATES=gate_params is not None, VARLEN=query_start_loc is not None, TOKEN_SLOTS=token_slots is not None,
         INTERPRETED=INTERPRETED,
         num_warps=_num_warps(dk, bv), **launch_options(q)

@@ -33,8 +33,8 @@ from .tokenizer import build_tokenizer
 
 _COMMON = dict(
     model_type="qwen4_exp_text", architectures=["Qwen4ExpForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
-    attention_bias=False, linear_conv_kernel_dim=4, output_gate_type="sigmoid", norm_topk_prob=True,
-    indexer_kv_heads=1, ple_conv_kernel_size=4, make_ngram_vocab_size_divisible_by=128, seed=1234,
+    attention_bias=False, linear_conv_kernel_dim=4, output_gate_type="sigmoid", mamba_ssm_dtype="float32",
+    norm_topk_prob=True, indexer_kv_heads=1, ple_conv_kernel_size=4, make_ngram_vocab_size_divisible_by=128, seed=1234,
     tie_word_embeddings=False, full_attention_interval=4, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
 )
 
