@@ -321,6 +321,9 @@ class RecordingProposer:
     def launch(self, *args):
         return self.proposer.launch(*args)
 
+    def draft_ahead(self, *args):
+        return self.proposer.draft_ahead(*args)
+
     def propose(self, batch: DraftBatch) -> list[list[int]]:
         drafts = self.proposer.propose(batch).tolist()
         for e, d in zip(batch.entries, drafts):
@@ -595,13 +598,15 @@ def test_gpu_dispatch_and_graph_buffers_verify_as_the_reference(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("k", [2, 3])
+def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatch, k):
     """The draft layer's CUDA-graph steps (cuda_graph.py, draft=True: the mixed layout, the states copied into their
     buffer, the greedy token of every row), executed eagerly on the metadata a graph captures (CPU: no capture) with
     the ops' GPU paths, propose the very drafts the eager draft layer proposes on the torch reference, in draft step 0
-    (kept rows of decodes, verified requests and prefill chunks) and the further draft steps; outputs stay
-    decoding's. With the target's graphs too, draft step 0 runs on the buffers of the target's step
-    (execute_draft_on_step)."""
+    (kept rows of decodes, verified requests and prefill chunks) and the further draft steps, those launched after
+    the host read the verification and those launched before it (draft_ahead: rows moved on the device to the kept
+    positions); outputs stay decoding's. With the target's graphs too, draft step 0 runs on the buffers of the
+    target's step (execute_draft_on_step)."""
     from qwen4exp import ops
     from qwen4exp.engine.cuda_graph import CUDAGraphRunner
 
@@ -613,6 +618,10 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
         def execute_draft_on_step(self, chunks, streams, pending_ids=None):
             self.replayed.append("on the step's buffers")
             return super().execute_draft_on_step(chunks, streams, pending_ids)
+
+        def execute_draft_shifted(self, chunks, streams, pending_ids, shift):
+            self.replayed.append("ahead")
+            return super().execute_draft_shifted(chunks, streams, pending_ids, shift)
 
         def _run(self, key):
             meta = self._mixed_meta(*key[1:])
@@ -627,19 +636,19 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
     expected = serve(LLM(d, **small), requests)
     proposed = {}
     for graphs in (False, True):
-        llm = LLM(d, **small, speculative_config=speculative(2))
+        llm = LLM(d, **small, speculative_config=speculative(k))
         engine = llm.llm_engine
         proposer = engine.spec.proposer
         if graphs:
             monkeypatch.setattr(ops.settings, "fast_on_cpu", True)  # the eager drafts are the torch reference's
             # the target's graphs take every other step they could: draft step 0 then runs on the buffers of the
             # target's step, or (after an eager target step) on its own
-            target = engine.runner.graphs = EagerSpeculativeGraphs(llm, 2, [1, 2, 4], 16)
+            target = engine.runner.graphs = EagerSpeculativeGraphs(llm, k, [1, 2, 4], 16)
             turns = itertools.count()
             target.can_run = lambda chunks, mixed=True, can_run=target.can_run: (next(turns) % 2 == 0
                                                                                   and can_run(chunks, mixed))
             proposer.graphs = runner = EagerDraftGraphs(engine.model, engine.runner.cache, engine.cache.page_size,
-                                                        engine.config.max_model_len, 4, "cpu", [1, 2, 4], 16, 2,
+                                                        engine.config.max_model_len, 4, "cpu", [1, 2, 4], 16, k,
                                                         draft=True, target=target)
             runner.replayed = []
             runner.phase = "further"
@@ -658,7 +667,7 @@ def test_draft_layer_graph_buffers_draft_as_the_eager_layer(tmp_path, monkeypatc
         assert_same_outputs(serve(llm, requests), expected, requests)
         assert engine.cache.all_free()
     assert proposed[True] == proposed[False] and any(any(len(x) > 1 for x in out) for out in proposed[True])
-    assert set(runner.replayed) == {"on the step's buffers", "first", "further"}, \
+    assert set(runner.replayed) == {"on the step's buffers", "first", "further", "ahead"}, \
         "draft step 0 (on the target step's buffers and on its own) and the further draft steps replay graphs"
 
 
@@ -741,6 +750,49 @@ def test_a_verified_steps_layout_advanced_on_the_device_equals_the_next_steps_ho
             rows = T if runner.mbuf[f].shape[0] >= T else runner.mbuf[f].shape[0]
             assert torch.equal(device[f][:rows], runner.mbuf[f][:rows]), (trial, f)
         assert device_blocks == blocks(runner.mbuf), trial
+
+
+def test_a_draft_steps_rows_moved_on_the_device_equal_the_host_layout_at_their_positions(tiny_dir):
+    """shift_draft_rows (a further draft step launched before the verification is read): the rows of one token per
+    request laid out by the host at positions p, moved on the device by each request's kept drafts, equal the host's
+    layout at those positions, QSA blocks included (a block entry per row that completes one), for contexts crossing
+    pages and blocks."""
+    from qwen4exp.engine.step_builder import RequestChunk
+    from qwen4exp.ops.verified_layout import shift_draft_rows
+
+    llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(3))
+    runner = EagerSpeculativeGraphs(llm, 3, [1, 2, 4], 16)
+    ps, C = runner.page_size, runner.C
+    rng = random.Random(5)
+    fields = ("input_ids", "positions", "slot_mapping", "context_lens", "query_start_loc", "token_req", "token_local",
+              "logits_indices")
+
+    def blocks(buf):
+        slots = buf["new_block_slots"]
+        return sorted((int(slots[i]), tuple(buf["new_block_token_slots"][i].tolist()),
+                       int(buf["new_block_positions"][i])) for i in range(slots.shape[0]) if slots[i])
+
+    moved_blocks = 0
+    for trial in range(16):
+        n = rng.choice([1, 2, 3, 4])
+        positions = [rng.randrange(0, 40) for _ in range(n)]
+        shift = [rng.randrange(4) for _ in range(n)]
+        pages = [rng.sample(range(1, 64), 6) for _ in range(n)]  # 48 positions each
+        ids = [rng.randrange(3, 500) for _ in range(n)]
+
+        def chunks(at):
+            return [RequestChunk([ids[r]], at[r], [], pages[r], 1 + r, 0) for r in range(n)]
+
+        runner.prepare_mixed(chunks(positions))
+        shift_draft_rows(runner.mbuf, n, ps, C, torch.tensor(shift))
+        device = {f: runner.mbuf[f].clone() for f in fields}
+        device_blocks = blocks(runner.mbuf)
+        runner.prepare_mixed(chunks([p + s for p, s in zip(positions, shift)]))
+        for f in fields:
+            assert torch.equal(device[f], runner.mbuf[f]), (trial, f)
+        assert device_blocks == blocks(runner.mbuf), trial
+        moved_blocks += device_blocks != []
+    assert moved_blocks >= 4, "rows that complete QSA blocks"
 
 
 class ScriptedDraftGraphs:

@@ -29,7 +29,9 @@ runs without a graph boundary, an ids copy or a copy of the states.
 The draft layer (`draft=True`, a second runner over the same buckets, sharing the target's memory pool): its steps
 are as small as the target's (draft step 0 covers every row of a step, a further draft step one row per request),
 so run eagerly they cost more in kernel launches than in compute. Each graph runs `model.draft` on the mixed layout
-with the multi-stream states copied into one more buffer, and returns every row's greedy draft and states.
+with the multi-stream states copied into one more buffer, and returns every row's greedy draft and states. A
+further draft step launched before the host has read the verification (`execute_draft_shifted`) is laid out by the
+host as if no draft were kept and moved on the device to the rows the verification keeps.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 
 from ..model import ModelCache, StepMetadata
-from ..ops.verified_layout import advance_verified
+from ..ops.verified_layout import advance_verified, shift_draft_rows
 from .rejection_sampler import greedy_acceptance
 from .step_builder import (
     RequestChunk,
@@ -400,6 +402,19 @@ class CUDAGraphRunner:
         if self.target is not None:
             self.target.last_key = None  # the shared buffers hold this step's layout from here
         key, wanted = self.prepare_mixed(chunks, pending_ids)
+        return self._run_draft(key, wanted, streams)
+
+    @torch.inference_mode()
+    def execute_draft_shifted(self, chunks: list[RequestChunk], streams: torch.Tensor, pending_ids: torch.Tensor,
+                              shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`execute_draft` for a step of one row per request whose positions the device knows: `chunks` place the
+        rows at the positions they take where shift is 0, and row r moves to its chunk's position + shift[r]
+        (ops.verified_layout.shift_draft_rows) before the replay. The caller checks that the context bound of the
+        graph does not depend on the shift."""
+        if self.target is not None:
+            self.target.last_key = None
+        key, wanted = self.prepare_mixed(chunks, pending_ids)
+        shift_draft_rows(self.mbuf, len(chunks), self.page_size, self.C if self.config.qsa else 0, shift)
         return self._run_draft(key, wanted, streams)
 
     def _run_draft(self, key: tuple, wanted: np.ndarray, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

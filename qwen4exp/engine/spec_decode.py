@@ -14,7 +14,9 @@ One engine step with speculation:
    host reads it, over every row of the step (prefill chunks included, so the draft layer's cache holds every
    position), each row fed the token after it on the device; the host reads the verification while the device
    drafts, commits, and then takes each request's draft at its last kept row (one wait for the device a step at
-   k = 1); each further draft is one row per request, fed the draft before it.
+   k = 1); each further draft is one row per request, fed the draft before it. Where every request of the step is
+   verified greedily with k drafts, the further draft steps are queued behind draft step 0 too, before the host reads
+   the verification, their rows moved on the device to the positions it keeps (MTPProposer.draft_ahead).
 
 Rollback. Attention caches (the target's and the draft layer's K/V, QSA raw and compressed keys) are written by
 position: a rejected draft's rows are rewritten when its position is computed again, before any query reads them
@@ -42,8 +44,7 @@ are uniform (k = 1, every request verified greedily inside the graph, nothing el
 chained: launched before the host reads the current one, its layout derived on the device (`SpecDecoder.chain`),
 so the host's work of a step runs while the device computes the next (the step then costs the larger of the two,
 not their sum); a chained step's graph runs its draft step 0 too. With k >= 2 steps are not chained: the host reads
-each verification before it launches the further draft steps and the next step, and the device waits meanwhile
-(on `small` at batch 1 that wait makes k = 2 and 3 slower than k = 1, README "When it pays").
+each verification before it launches the next step, and the device waits for it once its drafts are done.
 
 A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
 speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through
@@ -125,6 +126,9 @@ class Proposer:
     def launch(self, chunks: list[RequestChunk], streams: torch.Tensor, next_ids: torch.Tensor | None):
         return None
 
+    def draft_ahead(self, launched, reqs: list[Request], accepted: torch.Tensor, k: int) -> None:
+        """May queue every draft of the next step behind `launched` (see MTPProposer.draft_ahead)."""
+
     def propose(self, batch: DraftBatch) -> list[list[int]] | DeviceDrafts:
         raise NotImplementedError
 
@@ -132,10 +136,13 @@ class Proposer:
 @dataclass
 class DraftLaunch:
     """Draft step 0 on the device: the greedy draft at each wanted row and every row's states (a graph's output:
-    valid until the draft layer's next replay)."""
+    valid until the draft layer's next replay); `ahead`: every draft of the next step where they were made before
+    the host read the verification (MTPProposer.draft_ahead), request i's in row ahead_rows[id(request)]."""
 
     tokens: torch.Tensor
     streams: torch.Tensor
+    ahead: torch.Tensor | None = None
+    ahead_rows: dict[int, int] | None = None
 
 
 class MTPProposer(Proposer):
@@ -168,15 +175,55 @@ class MTPProposer(Proposer):
         return DraftLaunch(*self._draft(chunks, streams, next_ids, 0))
 
     @torch.inference_mode()
+    def draft_ahead(self, launched: DraftLaunch, kept: list[tuple[Request, int, int, int, int]],
+                    accepted: torch.Tensor, k: int) -> None:
+        """The further draft steps (1 .. k-1) of a step whose every request samples its next token there greedily on
+        the device (`accepted`: the drafts each keeps), queued behind draft step 0 before the host reads the
+        verification, so that the device drafts while the host reads and commits (else it waits for the host to
+        launch each further draft step). `kept`, a request each: (request, the position of its first row that may
+        be its last kept one, that row among draft step 0's wanted rows, among the step's rows, the drafts it may
+        keep). Request r's draft j sits at that position + a_r + j, laid out by the host for a_r = 0 and moved on
+        the device (CUDAGraphRunner.execute_draft_shifted). Only on the draft layer's graphs, where every position a
+        request may reach is in its pages and the graph's context bound is the same whatever the requests keep;
+        else nothing is queued and `propose` drafts after the read."""
+        g, n = self.graphs, len(kept)
+        if g is None or k < 2 or not n:
+            return
+        page_size = self.builder.page_size
+        if any(p + d + k > len(r.pages) * page_size for r, p, _, _, d in kept):
+            return
+        chunks = [[RequestChunk([0], p + j, [], r.pages, r.state_slot, 0, pending_row=i)
+                   for i, (r, p, *_) in enumerate(kept)] for j in range(1, k)]
+        low, high = max(p for _, p, *_ in kept), max(p + d for _, p, _, _, d in kept)
+        if not g.can_run(chunks[0]) or any(g.variant(low + j + 1) != g.variant(high + j + 1) for j in range(1, k)):
+            return
+        a = accepted[:n]
+        device = a.device
+        tokens = launched.tokens[to_device([row for *_, row, _, _ in kept], device, torch.long) + a]
+        streams = launched.streams[to_device([row for *_, row, _ in kept], device, torch.long) + a]
+        out = torch.empty(n, k, dtype=torch.long, device=device)
+        out[:, 0] = tokens
+        for j in range(1, k):
+            tokens, streams = g.execute_draft_shifted(chunks[j - 1], streams, tokens, a)
+            out[:, j] = tokens
+        launched.ahead, launched.ahead_rows = out, {id(r): i for i, (r, *_) in enumerate(kept)}
+
+    @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> DeviceDrafts:
         """Each entry's drafts, on the device: draft step 0's at its last kept row, then one row per request for
-        each further draft, fed the draft before it. Nothing here waits for the device."""
+        each further draft, fed the draft before it (or those `draft_ahead` made). Nothing here waits for the
+        device."""
         entries, first = batch.entries, batch.launched
         active = [i for i, e in enumerate(entries) if e.num_drafts]  # in the order of the rows of `tokens`, `streams`
         counts = [e.num_drafts for e in entries]
         width = max(counts, default=0)
         if not active:
             return DeviceDrafts(torch.zeros(0, dtype=torch.long, device=self.device), 0, counts)
+        if first.ahead is not None:
+            rows = [first.ahead_rows[id(e.request)] for e in entries]
+            ahead = first.ahead if rows == list(range(first.ahead.shape[0])) else first.ahead[
+                to_device(rows, self.device, torch.long)]
+            return DeviceDrafts(ahead.reshape(-1), ahead.shape[1], counts)
         tokens = first.tokens[to_device([entries[i].draft_row for i in active], self.device, torch.long)]
         if width == 1 and len(active) == len(entries):
             return DeviceDrafts(tokens, 1, counts)
@@ -342,6 +389,14 @@ class SpecDecoder:
                 and all(len(d) == 1 for d in sample_drafts)):
             chain_key = graphs.last_key
         launched, draft_rows = self._launch_draft(spans, chunks, streams, verified, constrained_sampled)
+        if self.k > 1 and in_graph and not constrained and len(sample_reqs) == len(spans) and all_rows:
+            # every request samples here: its last kept row is its first sampled one (a verified request's first,
+            # another's last) + the drafts it keeps
+            kept = []
+            for (req, start, end, _), row, draft_row, drafts in zip(spans, rows, draft_rows, sample_drafts):
+                position = start if drafts else end - 1
+                kept.append((req, position, draft_row, row + position - start, len(drafts)))
+            self.proposer.draft_ahead(launched, kept, accepted, self.k)
         return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, rows,
                         draft_rows, launched, constrained, constrained_sampled, chain_key,
                         (argmax, greedy_accepted) if chain_key else None)

@@ -1,7 +1,8 @@
-"""The layout of a verified step advanced on the device: how a speculative step is launched before the step
-before it has been read (engine/spec_decode.py, SpecDecoder.chain). The host builds every other layout
-(engine/step_builder.py); this derives the next step's layout from the current one and its results, where only the
-device knows how many drafts were kept."""
+"""Layouts finished on the device, where only the device knows how many drafts a verified step kept
+(engine/spec_decode.py): the next verified step, launched before the step before it has been read
+(`advance_verified`, SpecDecoder.chain), and the draft layer's further draft steps, launched behind a verification
+before it is read (`shift_draft_rows`, MTPProposer.draft_ahead). The host builds every other layout
+(engine/step_builder.py)."""
 
 import torch
 
@@ -76,3 +77,29 @@ def advance_verified_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size:
                 has[:, None], start[:, None] + torch.arange(compress, device=a.device), 0)
             buf["new_block_slots"][entries] = start // compress
             buf["new_block_positions"][entries] = torch.where(has, pos[row] - (compress - 1), 0)
+
+
+def shift_draft_rows(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int, compress: int,
+                     shift: torch.Tensor) -> None:
+    """A step of one row per request (row r: request r, block table row r), as CUDAGraphRunner.prepare_mixed laid it
+    out at positions p_r, moved in place and on the device to positions p_r + shift[r]: the layout StepBuilder.build
+    would give the rows at those positions. Changes each row's position, context length (position + 1) and cache
+    slot, and its QSA block: entry r of the block entries is the block the row completes where its position + 1 is
+    a multiple of `compress` (the QSA block size C; 0: no QSA), else the null entry. Rows past num_reqs, and the
+    entries past them, are left as they are (the host's layout has at most one block entry per row, at entries
+    below num_reqs)."""
+    n = num_reqs
+    step = shift[:n].to(torch.long)
+    pos = buf["positions"][:n]
+    pos += step
+    buf["context_lens"][:n] += step.to(buf["context_lens"].dtype)
+    rows = torch.arange(n, device=pos.device)
+    slots = buf["block_tables"][rows, pos // page_size].long() * page_size + pos % page_size
+    buf["slot_mapping"][:n] = slots
+    if compress:
+        has = (pos + 1) % compress == 0
+        start = torch.where(has, slots - (compress - 1), 0)
+        buf["new_block_token_slots"][:n] = torch.where(
+            has[:, None], start[:, None] + torch.arange(compress, device=pos.device), 0)
+        buf["new_block_slots"][:n] = start // compress
+        buf["new_block_positions"][:n] = torch.where(has, pos - (compress - 1), 0)
