@@ -81,6 +81,15 @@ def advance_verified_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size:
 
 def shift_draft_rows(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int, compress: int,
                      shift: torch.Tensor) -> None:
+    """`shift_draft_rows_ref`; on the fast path one Triton launch instead of its dozen small kernels."""
+    if HAS_TRITON and fast_path(shift) and num_reqs:
+        verified_layout_triton.shift_draft_rows(buf, num_reqs, page_size, compress, shift)
+    else:
+        shift_draft_rows_ref(buf, num_reqs, page_size, compress, shift)
+
+
+def shift_draft_rows_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int, compress: int,
+                         shift: torch.Tensor) -> None:
     """A step of one row per request (row r: request r, block table row r), as CUDAGraphRunner.prepare_mixed laid it
     out at positions p_r, moved in place and on the device to positions p_r + shift[r]: the layout StepBuilder.build
     would give the rows at those positions. Changes each row's position, context length (position + 1) and cache

@@ -1,5 +1,6 @@
-"""`ops.verified_layout.advance_verified` as one Triton launch: a program per request reads its two rows and its
-per-request fields, then writes the next step's (each program touches only its own request's entries)."""
+"""`ops.verified_layout.advance_verified` and `shift_draft_rows` as one Triton launch each: a program per request
+reads its rows and its per-request fields, then writes the next layout's (each program touches only its own
+request's entries)."""
 
 import torch
 import triton
@@ -76,3 +77,37 @@ def advance_verified(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int
         emitted.contiguous(), drafts.contiguous(), num_reqs, PAGE=page_size, M=m,
         M_POW2=triton.next_power_of_2(max(m, 1)), C=compress, C_POW2=triton.next_power_of_2(max(compress, 1)),
         BLOCKS=-(-2 // compress) if compress else 0, **launch_options(accepted))
+
+
+@triton.jit
+def _shift_kernel(positions, slot_mapping, context_lens, tables, table_stride, block_token_slots, block_slots,
+                  block_positions, shift, PAGE: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.load(shift + r).to(tl.int64)
+    p = tl.load(positions + r) + s
+    tl.store(positions + r, p)
+    tl.store(context_lens + r, (tl.load(context_lens + r).to(tl.int64) + s).to(tl.int32))
+    slot = tl.load(tables + r * table_stride + p // PAGE).to(tl.int64) * PAGE + p % PAGE
+    tl.store(slot_mapping + r, slot)
+    if C > 0:  # entry r: the block the row completes, else the null entry
+        has = (p + 1) % C == 0
+        start = tl.where(has, slot - (C - 1), 0)
+        c = tl.arange(0, C_POW2)
+        tl.store(block_token_slots + r * C + c, tl.where(has, start + c, 0), mask=c < C)
+        tl.store(block_slots + r, start // C)
+        tl.store(block_positions + r, tl.where(has, p - (C - 1), 0))
+
+
+def shift_draft_rows(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int, compress: int,
+                     shift: torch.Tensor) -> None:
+    """Same result as `ops.verified_layout.shift_draft_rows_ref`."""
+    tables = buf["block_tables"]
+    for name in ("positions", "slot_mapping", "new_block_slots", "new_block_positions"):
+        assert buf[name].dtype == torch.int64 and buf[name].is_contiguous(), name
+    assert buf["context_lens"].dtype == torch.int32 and tables.dtype == torch.int32
+    _shift_kernel[(num_reqs,)](
+        buf["positions"], buf["slot_mapping"], buf["context_lens"], tables, tables.stride(0),
+        buf["new_block_token_slots"], buf["new_block_slots"], buf["new_block_positions"], shift.contiguous(),
+        PAGE=page_size, C=compress, C_POW2=triton.next_power_of_2(max(compress, 1)), **launch_options(shift))

@@ -1,15 +1,16 @@
-"""A verified step's layout advanced on the device: the Triton kernel (GPU, or the interpreter on CPU) against the
-torch reference, on buffers shaped as the speculative graphs' (requests beyond the step, padding and stale entries
-included, which neither may touch), for every QSA block size and n-gram width."""
+"""Layouts finished on the device (a verified step's advanced to the next, a draft step's rows moved to the kept
+positions): the Triton kernels (GPU, or the interpreter on CPU) against the torch references, on buffers shaped as
+the speculative graphs' (requests beyond the step, padding and stale entries included, which neither may touch),
+for every QSA block size and n-gram width."""
 
 import pytest
 import torch
 
-from qwen4exp.ops.verified_layout import advance_verified_ref
+from qwen4exp.ops.verified_layout import advance_verified_ref, shift_draft_rows_ref
 
 triton = pytest.importorskip("triton")
 
-from qwen4exp.ops.verified_layout_triton import advance_verified  # noqa: E402
+from qwen4exp.ops.verified_layout_triton import advance_verified, shift_draft_rows  # noqa: E402
 
 
 def buffers(g, n: int, R: int, m: int, C: int, page: int, device) -> dict[str, torch.Tensor]:
@@ -52,3 +53,19 @@ def test_advance_matches_reference(C, m):
             advance_verified(buf, n, 16, C, accepted, emitted, drafts)
             for name in buf:
                 assert torch.equal(buf[name], want[name]), (C, m, n, R, trial, name)
+
+
+@pytest.mark.parametrize("C", [4, 1, 8, 0])
+def test_shift_matches_reference(C):
+    """Rows of one token per request (the first n of 2R rows, the rest padding or stale), moved by 0 .. 3."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(C + 100)
+    for n, R in ((1, 1), (3, 5), (6, 6)):
+        for trial in range(3):
+            buf = buffers(g, n, R, 0, C, 16, device)
+            shift = torch.randint(0, 4, (n,), generator=g).to(device)
+            want = {k: v.clone() for k, v in buf.items()}
+            shift_draft_rows_ref(want, n, 16, C, shift)
+            shift_draft_rows(buf, n, 16, C, shift)
+            for name in buf:
+                assert torch.equal(buf[name], want[name]), (C, n, R, trial, name)
