@@ -14,9 +14,9 @@ One engine step with speculation:
    host reads it, over every row of the step (prefill chunks included, so the draft layer's cache holds every
    position), each row fed the token after it on the device; the host reads the verification while the device
    drafts, commits, and then takes each request's draft at its last kept row (one wait for the device a step at
-   k = 1); each further draft is one row per request, fed the draft before it. Where every request of the step is
-   verified greedily with k drafts, the further draft steps are queued behind draft step 0 too, before the host reads
-   the verification, their rows moved on the device to the positions it keeps (MTPProposer.draft_ahead).
+   k = 1); each further draft is one row per request, fed the draft before it. Where every request of the step
+   samples there greedily inside its graph, the further draft steps are queued behind draft step 0 too, before the
+   host reads the verification, their rows moved on the device to the positions it keeps (MTPProposer.draft_ahead).
 
 Rollback. Attention caches (the target's and the draft layer's K/V, QSA raw and compressed keys) are written by
 position: a rejected draft's rows are rewritten when its position is computed again, before any query reads them
@@ -126,11 +126,24 @@ class Proposer:
     def launch(self, chunks: list[RequestChunk], streams: torch.Tensor, next_ids: torch.Tensor | None):
         return None
 
-    def draft_ahead(self, launched, reqs: list[Request], accepted: torch.Tensor, k: int) -> None:
+    def draft_ahead(self, launched, rows: list[AheadRow], accepted: torch.Tensor, k: int) -> None:
         """May queue every draft of the next step behind `launched` (see MTPProposer.draft_ahead)."""
 
     def propose(self, batch: DraftBatch) -> list[list[int]] | DeviceDrafts:
         raise NotImplementedError
+
+
+@dataclass
+class AheadRow:
+    """A request of a step whose drafts are made before the host reads it (MTPProposer.draft_ahead): the position of
+    its first row that may be its last kept one (a verified request's first row, another's last), that row among
+    draft step 0's wanted rows and among the step's rows, and how many drafts it may keep."""
+
+    request: Request
+    position: int
+    draft_row: int
+    stream_row: int
+    num_drafts: int
 
 
 @dataclass
@@ -175,38 +188,35 @@ class MTPProposer(Proposer):
         return DraftLaunch(*self._draft(chunks, streams, next_ids, 0))
 
     @torch.inference_mode()
-    def draft_ahead(self, launched: DraftLaunch, kept: list[tuple[Request, int, int, int, int]],
-                    accepted: torch.Tensor, k: int) -> None:
+    def draft_ahead(self, launched: DraftLaunch, rows: list[AheadRow], accepted: torch.Tensor, k: int) -> None:
         """The further draft steps (1 .. k-1) of a step whose every request samples its next token there greedily on
         the device (`accepted`: the drafts each keeps), queued behind draft step 0 before the host reads the
         verification, so that the device drafts while the host reads and commits (else it waits for the host to
-        launch each further draft step). `kept`, a request each: (request, the position of its first row that may
-        be its last kept one, that row among draft step 0's wanted rows, among the step's rows, the drafts it may
-        keep). Request r's draft j sits at that position + a_r + j, laid out by the host for a_r = 0 and moved on
-        the device (CUDAGraphRunner.execute_draft_shifted). Only on the draft layer's graphs, where every position a
-        request may reach is in its pages and the graph's context bound is the same whatever the requests keep;
-        else nothing is queued and `propose` drafts after the read."""
-        g, n = self.graphs, len(kept)
+        launch each further draft step). Request r's draft j sits at rows[r].position + a_r + j, laid out by the
+        host for a_r = 0 and moved on the device (CUDAGraphRunner.execute_draft_shifted). Only on the draft layer's
+        graphs, where every position a request may reach is in its pages and the graph's context bound is the same
+        whatever the requests keep; else nothing is queued and `propose` drafts after the read."""
+        g, n = self.graphs, len(rows)
         if g is None or k < 2 or not n:
             return
         page_size = self.builder.page_size
-        if any(p + d + k > len(r.pages) * page_size for r, p, _, _, d in kept):
+        if any(x.position + x.num_drafts + k > len(x.request.pages) * page_size for x in rows):
             return
-        chunks = [[RequestChunk([0], p + j, [], r.pages, r.state_slot, 0, pending_row=i)
-                   for i, (r, p, *_) in enumerate(kept)] for j in range(1, k)]
-        low, high = max(p for _, p, *_ in kept), max(p + d for _, p, _, _, d in kept)
+        chunks = [[RequestChunk([0], x.position + j, [], x.request.pages, x.request.state_slot, 0, pending_row=i)
+                   for i, x in enumerate(rows)] for j in range(1, k)]
+        low, high = max(x.position for x in rows), max(x.position + x.num_drafts for x in rows)
         if not g.can_run(chunks[0]) or any(g.variant(low + j + 1) != g.variant(high + j + 1) for j in range(1, k)):
             return
         a = accepted[:n]
         device = a.device
-        tokens = launched.tokens[to_device([row for *_, row, _, _ in kept], device, torch.long) + a]
-        streams = launched.streams[to_device([row for *_, row, _ in kept], device, torch.long) + a]
+        tokens = launched.tokens[to_device([x.draft_row for x in rows], device, torch.long) + a]
+        streams = launched.streams[to_device([x.stream_row for x in rows], device, torch.long) + a]
         out = torch.empty(n, k, dtype=torch.long, device=device)
         out[:, 0] = tokens
         for j in range(1, k):
             tokens, streams = g.execute_draft_shifted(chunks[j - 1], streams, tokens, a)
             out[:, j] = tokens
-        launched.ahead, launched.ahead_rows = out, {id(r): i for i, (r, *_) in enumerate(kept)}
+        launched.ahead, launched.ahead_rows = out, {id(x.request): i for i, x in enumerate(rows)}
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> DeviceDrafts:
@@ -390,13 +400,11 @@ class SpecDecoder:
             chain_key = graphs.last_key
         launched, draft_rows = self._launch_draft(spans, chunks, streams, verified, constrained_sampled)
         if self.k > 1 and in_graph and not constrained and len(sample_reqs) == len(spans) and all_rows:
-            # every request samples here: its last kept row is its first sampled one (a verified request's first,
-            # another's last) + the drafts it keeps
-            kept = []
+            ahead = []
             for (req, start, end, _), row, draft_row, drafts in zip(spans, rows, draft_rows, sample_drafts):
-                position = start if drafts else end - 1
-                kept.append((req, position, draft_row, row + position - start, len(drafts)))
-            self.proposer.draft_ahead(launched, kept, accepted, self.k)
+                position = start if drafts else end - 1  # every request samples here, from this row on
+                ahead.append(AheadRow(req, position, draft_row, row + position - start, len(drafts)))
+            self.proposer.draft_ahead(launched, ahead, accepted, self.k)
         return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, rows,
                         draft_rows, launched, constrained, constrained_sampled, chain_key,
                         (argmax, greedy_accepted) if chain_key else None)
