@@ -349,9 +349,12 @@ def test_gpu_decode_of_requests_with_images_replays_graphs_and_equals_the_cpu(tm
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_gpu_bf16_state_speculation_equals_decoding_without_it(k, tmp_path):
-    """--mamba-ssm-cache-dtype bfloat16 on the GPU (graphs, the recurrent kernel rounding the state after every
-    verified row): greedy tokens and logprobs with speculation equal decoding's without it on the same state dtype.
-    Every prompt prefills in one step both ways (a bf16 state is also rounded where a prefill chunk ends)."""
+    """--mamba-ssm-cache-dtype bfloat16 on the GPU (graphs, the recurrent kernel going on from each verified row's
+    stored, rounded state): greedy tokens with speculation equal decoding's without it on the same state dtype, and
+    logprobs within 1e-3. Every prompt prefills in one step both ways, but not with the same kernel (fla's chunk
+    kernel eagerly, or the recurrent one in a mixed CUDA graph, depending on the step's size and graphs), whose fp32
+    states differ in their last bits, which the rounding to bf16 can turn into a whole bf16 step (1.4e-4 in a
+    logprob measured)."""
     import random
 
     from test_spec_decode import assert_same_outputs, generate
@@ -368,7 +371,7 @@ def test_gpu_bf16_state_speculation_equals_decoding_without_it(k, tmp_path):
                   mamba_ssm_cache_dtype="bfloat16")
     expected = generate(LLM(d, device="cuda", **engine), requests)
     llm = LLM(d, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
-    assert_same_outputs(generate(llm, requests), expected, requests)
+    assert_same_outputs(generate(llm, requests), expected, requests, logprob_tol=1e-3)
     assert llm.llm_engine.cache.all_free()
 
 

@@ -109,7 +109,7 @@ def workload(tiny_dir):
     return requests, expected
 
 
-def assert_same_outputs(outputs: dict, expected: dict, requests) -> None:
+def assert_same_outputs(outputs: dict, expected: dict, requests, logprob_tol: float = 1e-4) -> None:
     for rid, _, params in requests:
         got, want = outputs[rid], expected[rid]
         for g, w in zip(got.outputs, want.outputs, strict=True):
@@ -119,13 +119,13 @@ def assert_same_outputs(outputs: dict, expected: dict, requests) -> None:
                 for a, b in zip(g.logprobs, w.logprobs, strict=True):
                     assert a.keys() == b.keys()
                     for t in a:
-                        assert abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank
+                        assert abs(a[t].logprob - b[t].logprob) < logprob_tol and a[t].rank == b[t].rank
             if w.cumulative_logprob is not None:
                 assert abs(g.cumulative_logprob - w.cumulative_logprob) < 1e-3
         if want.prompt_logprobs is not None:
             for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
                 assert a.keys() == b.keys()
-                assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+                assert all(abs(a[t].logprob - b[t].logprob) < logprob_tol for t in a)
 
 
 def generate(llm, requests) -> dict:

@@ -5,9 +5,10 @@ Per value head, with state S in R^{Dk x Dv}:
     S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
 with q, k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5. Query/key head h serves value heads h*r .. h*r+r-1.
 Prefill runs the chunked (UT-transform) form, single tokens the recurrent form; both are fp32. State slots narrower
-than fp32 hold the state rounded to their dtype: the chunked form rounds it once, when it stores it; the recurrent
-form after every token (as if each token were its own step), so verifying k drafts token by token leaves the state
-k + 1 one-token steps would.
+than fp32 hold the state rounded to their dtype where it is stored: after a request's last token of the step, and
+after each verified row, whose state goes into a spare slot and on, rounded, to the next row, so verifying k drafts
+leaves the state that k + 1 one-token steps would. A prefill chunk rounds once, at its end, whichever form computes
+it (the recurrent kernel takes the prefill chunks of a CUDA-graph step).
 """
 
 import functools
@@ -50,7 +51,8 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state, states_after: list |
                                    state_dtype: torch.dtype = torch.float32):
     """One sequence token by token. q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; state: [Hv, Dk, Dv] fp32.
     Returns (out [n, Hv, Dv] fp32, final state); `states_after`, when given, receives the state after each token.
-    `state_dtype`: the state slots' dtype, to which the state is rounded after each token's output."""
+    `state_dtype`: the state slots' dtype, to which the state is rounded after each token's output (every token's
+    state is stored: a verified request's rows)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     out = torch.empty_like(v)
     for t in range(v.shape[1]):

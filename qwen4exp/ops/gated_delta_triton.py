@@ -7,7 +7,7 @@ chunked prefill form; its cost grows with the longest request's tokens): q, k [T
 head h (query/key head h // (Hv // Hk)), with state S [Dk, Dv] taken from ssm_state[state_slots[b]] (zeros
 where has_initial_state[b] is False), q and k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5, each token does
     S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
-in fp32; with state slots in bf16 or fp16, S is then rounded to their dtype (every token, as gated_delta.py says).
+in fp32; with state slots in bf16 or fp16, S is rounded to their dtype where it is stored (gated_delta.py).
 Returns o [T, Hv, Dv] in v's dtype; writes the state after the last token back into ssm_state[state_slots[b]]
 (in place) and, with `query_start_loc` (speculative verification), the state after token t into
 ssm_state[token_slots[t]] where token_slots [>= T] int64 is >= 0 (slots no request of the call starts from).
@@ -132,18 +132,19 @@ def _fused_recurrent_gdn_kernel(
             state = _token_step(state, tok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt,
                                 stride_vt, stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off, b_off, o_off,
                                 offs_k, offs_v, scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
-            if ROUND_STATE:
-                state = _round_state(state, state_ptr)
             if TOKEN_SLOTS:
+                if ROUND_STATE:  # a stored row's state goes on rounded, as the next one-token step would read it
+                    stored = (tl.zeros([DK, BV], dtype=tl.int64) + tl.load(token_slots_ptr + tok)) >= 0
+                    state = tl.where(stored, _round_state(state, state_ptr), state)
                 _store_token_state(state, tok, token_slots_ptr, state_ptr, h, offs_k, offs_v, stride_ss, stride_sh,
                                    stride_sk, stride_sv, DK, BV)
     else:  # decode: request b's one token is row b
         state = _token_step(state, b, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_kt, stride_vt,
                             stride_gt, stride_bt, stride_ot, q_off, k_off, v_off, g_off, b_off, o_off, offs_k, offs_v,
                             scale, neg_decay_rate, dt_bias, RAW_GATES, INTERPRETED)
-        if ROUND_STATE:
-            state = _round_state(state, state_ptr)
 
+    if ROUND_STATE:
+        state = _round_state(state, state_ptr)
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty))
 
 

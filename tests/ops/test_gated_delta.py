@@ -326,9 +326,9 @@ def test_verified_rows_store_the_state_after_each_row(raw, state_dtype):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_verification_leaves_the_states_of_one_token_steps(state_dtype):
     """The kernel verifying three rows of a request (query_start_loc, token slots) writes bit for bit the outputs and
-    states that three one-token calls write, whatever the state slots' dtype: with bf16 or fp16 slots it rounds the
-    state after every row, as storing it between steps does (speculative decoding stays token-identical to decoding
-    without it). Rounding only when storing fails this for bf16."""
+    states that three one-token calls write, whatever the state slots' dtype: with bf16 or fp16 slots it goes on from
+    each verified row's stored (rounded) state, as the next one-token step would (speculative decoding stays
+    token-identical to decoding without it). Rounding only at the request's last row fails this for bf16."""
     hk, hv, dk, dv, n = 1, 2, 16, 16, 3
     gen = torch.Generator().manual_seed(11)
     q, k = torch.randn(n, hk, dk, generator=gen), torch.randn(n, hk, dk, generator=gen)
