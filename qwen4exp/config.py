@@ -740,8 +740,8 @@ class EngineConfig:
     mamba_ssm_cache_dtype: str = _option(
         "auto", "storage of the GDN layers' recurrent state (vLLM's flag). bfloat16 halves it (a flash-next state "
                 "slot shrinks from 110 to 56 MiB) and the bytes each decode step moves for it; the state is rounded "
-                "to it after every decoded token and where a prefill chunk ends (greedy speculative decoding stays "
-                "identical to decoding without it). auto: the checkpoint's mamba_ssm_dtype, else float32 (what "
+                "to it after every decoded token and where a prefill chunk ends (speculative verification rounds "
+                "it after every row, as decoding does). auto: the checkpoint's mamba_ssm_dtype, else float32 (what "
                 "transformers computes; vLLM's auto is the model dtype unless the checkpoint names one)",
         ("auto", *SSM_DTYPES))
     limit_mm_per_prompt: dict | None = _option(
