@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_utils import INTERPRETED, launch_options, pdl_start, round_to_bf16
+from ._triton_utils import INTERPRETED, launch_options, pdl_start, round_to, round_to_bf16
 
 # Below this many programs an H200 (132 SMs) is underfed, so small batches get narrower value tiles.
 _MIN_PROGRAMS = 128
@@ -73,11 +73,8 @@ def _token_step(
 
 @triton.jit
 def _round_state(state, state_ptr):
-    """The fp32 state rounded to the slots' dtype (bf16 by hand: the interpreter's casts truncate), kept in fp32."""
-    if state_ptr.dtype.element_ty == tl.bfloat16:
-        return round_to_bf16(state)
-    else:
-        return state.to(state_ptr.dtype.element_ty).to(tl.float32)
+    """The fp32 state rounded to the slots' dtype, kept in fp32."""
+    return round_to(state, state_ptr.dtype.element_ty, state_ptr.dtype.element_ty == tl.bfloat16)
 
 
 @triton.jit
