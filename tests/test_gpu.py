@@ -375,12 +375,12 @@ def test_gpu_bf16_state_speculation_equals_decoding_without_it(k, tmp_path):
     assert llm.llm_engine.cache.all_free()
 
 
-@pytest.mark.parametrize("drafts", ["mtp", "half right"])
-def test_gpu_chained_speculative_steps_equal_decoding_without_them(drafts, tmp_path):
-    """k = 1 with greedy requests from raw logits: steps launched before the step before them is read
-    (SpecDecoder.chain: the layout derived on the device, then one graph of the step and its draft step 0) give
-    decoding's tokens, with the draft layer's drafts (mostly rejected) and with drafts half right (the chained steps
-    run eagerly with scripted drafts, tests/test_spec_decode.py)."""
+@pytest.mark.parametrize("k,drafts", [(1, "mtp"), (1, "half right"), (3, "mtp"), (3, "half right")])
+def test_gpu_chained_speculative_steps_equal_decoding_without_them(k, drafts, tmp_path):
+    """Greedy requests from raw logits: steps launched before the step before them is read (SpecDecoder.chain: the
+    layout derived on the device, then one graph of the step and its draft step 0, and for k >= 2 the further draft
+    steps moved on the device) give decoding's tokens, with the draft layer's drafts (mostly rejected) and with
+    drafts half right (the chained steps run eagerly with scripted drafts, tests/test_spec_decode.py)."""
     import random
 
     from test_spec_decode import ScriptedDraftGraphs, assert_same_outputs, serve
@@ -391,12 +391,12 @@ def test_gpu_chained_speculative_steps_equal_decoding_without_them(drafts, tmp_p
     d = make_random(str(tmp_path / "tiny"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 256})
     rng = random.Random(6)
     requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 60))],
-                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 40), ignore_eos=True))
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 40) + 16 * (k - 1), ignore_eos=True))
                 for i in range(6)]
     engine = dict(dtype="float32", max_model_len=256, page_size=8, num_pages=200, max_num_seqs=8,
                   max_num_batched_tokens=64)
     expected = serve(LLM(d, device="cuda", **engine), requests)
-    llm = LLM(d, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
+    llm = LLM(d, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
     spec = llm.llm_engine.spec
     graphs, replayed, same_drafts = llm.llm_engine.runner.graphs, [], []
     run = graphs._run
@@ -418,7 +418,7 @@ def test_gpu_chained_speculative_steps_equal_decoding_without_them(drafts, tmp_p
     graphs._run = run_and_check
     if drafts == "half right":  # the chained steps' graphs hold the draft layer: they run eagerly with the script
         sequences = {rid: p + expected[rid].outputs[0].token_ids for rid, p, _ in requests}
-        spec.proposer.graphs = ScriptedDraftGraphs(llm.llm_engine, graphs, sequences)
+        spec.proposer.graphs = ScriptedDraftGraphs(llm.llm_engine, graphs, sequences, k)
         graphs._run = lambda key: (replayed.append(key[0]) or graphs.graph_step(*graphs.graph_inputs(key))
                                    if key[0] == "chained" else run(key))
     chained = []

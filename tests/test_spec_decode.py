@@ -701,19 +701,21 @@ def test_structured_output_requests_decode_without_drafts_beside_speculation(tin
 
 # ----- chained steps (the speculative overlap) -----
 
-def test_a_verified_steps_layout_advanced_on_the_device_equals_the_next_steps_host_layout(tiny_dir):
-    """ops.verified_layout.advance_verified turns the graph buffers of a step of verified requests (one draft each) into
-    those of the next step, from the kept drafts, emitted tokens and drafts on the device, as the host builds them
-    once it has read the step: ids, positions, cache slots, state slots (the kept row's becomes the request's own),
-    n-gram context and the QSA blocks completed (as a set: the device layout keeps one entry per request), with
-    contexts that cross pages and blocks at every phase."""
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_verified_steps_layout_advanced_on_the_device_equals_the_next_steps_host_layout(tiny_dir, k):
+    """ops.verified_layout.advance_verified turns the graph buffers of a step of verified requests (k drafts each) into
+    those of the next step, from the kept drafts, emitted tokens and drafts on the device (for k >= 2 the further
+    drafts made ahead), as the host builds them once it has read the step: ids, positions, cache slots, state slots
+    (the kept row's becomes the request's own, the own one that row's spare), n-gram context and the QSA blocks
+    completed (as a set: the device layout keeps entries per request), with contexts that cross pages and blocks at
+    every phase."""
     from qwen4exp.engine.step_builder import RequestChunk
     from qwen4exp.ops.verified_layout import advance_verified
 
-    llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(1))
-    runner = EagerSpeculativeGraphs(llm, 1, [1, 2, 4], 16)
+    llm = LLM(tiny_dir, **ENGINE, num_pages=64, speculative_config=speculative(k))
+    runner = EagerSpeculativeGraphs(llm, k, [1, 2, 4], 16)
     ps, C = runner.page_size, runner.C
-    rng = random.Random(3)
+    rng = random.Random(3 + k)
     fields = ("input_ids", "positions", "slot_mapping", "context_lens", "state_slots", "state_token_slots",
               "ngram_context", "has_initial", "query_start_loc", "token_req", "token_local", "logits_indices")
 
@@ -722,34 +724,42 @@ def test_a_verified_steps_layout_advanced_on_the_device_equals_the_next_steps_ho
         return sorted((int(slots[i]), tuple(buf["new_block_token_slots"][i].tolist()),
                        int(buf["new_block_positions"][i])) for i in range(slots.shape[0]) if slots[i])
 
+    moved = set()
     for trial in range(12):
         n = rng.choice([1, 2, 3, 4])
         contexts = [rng.randrange(1, 40) for _ in range(n)]
         pages = [rng.sample(range(1, 64), 6) for _ in range(n)]  # 48 positions each
-        slots = [rng.sample(range(1, 30), 2) for _ in range(n)]
+        slots = [rng.sample(range(1, 30), 1 + k) for _ in range(n)]  # own, then the spares
         history = [[rng.randrange(3, 500) for _ in range(rng.randrange(0, 3) if c < 2 else 2)] for c in contexts]
-        ids = [[rng.randrange(3, 500), rng.randrange(3, 500)] for _ in range(n)]
+        ids = [[rng.randrange(3, 500) for _ in range(1 + k)] for _ in range(n)]
         chunks = [RequestChunk(ids[r], contexts[r], history[r], pages[r], slots[r][0], 0,
-                               state_token_slots=[slots[r][1]]) for r in range(n)]
+                               state_token_slots=slots[r][1:]) for r in range(n)]
         key, _ = runner.prepare_mixed(chunks)
-        accepted = torch.tensor([rng.randrange(2) for _ in range(n)])
-        emitted = torch.tensor([rng.randrange(3, 500) for _ in range(2 * n)])
-        drafts = torch.tensor([rng.randrange(3, 500) for _ in range(2 * n)])
-        advance_verified(runner.mbuf, n, ps, C, accepted, emitted, drafts)
+        accepted = torch.tensor([rng.randrange(1 + k) for _ in range(n)])
+        emitted = torch.tensor([rng.randrange(3, 500) for _ in range((1 + k) * n)])
+        drafts = torch.tensor([rng.randrange(3, 500) for _ in range((1 + k) * n)])
+        ahead = torch.tensor([[rng.randrange(3, 500) for _ in range(k)] for _ in range(n)]) if k > 1 else None
+        advance_verified(runner.mbuf, n, ps, C, accepted, emitted, drafts, ahead)
         T = key[1]
         device = {f: runner.mbuf[f].clone() for f in fields}
         device_blocks = blocks(runner.mbuf)
         nxt = []
         for r in range(n):
             a = int(accepted[r])
-            own, spare = (slots[r][1], slots[r][0]) if a == 0 else (slots[r][0], slots[r][1])
-            nxt.append(RequestChunk([int(emitted[2 * r + a]), int(drafts[2 * r + a])], contexts[r] + a + 1,
-                                    history[r] + ids[r][: a + 1], pages[r], own, 0, state_token_slots=[spare]))
+            own, spares = slots[r][0], list(slots[r][1:])
+            if a < k:
+                own, spares[a] = spares[a], own
+            moved.add(a)
+            next_ids = [int(emitted[(1 + k) * r + a]), int(drafts[(1 + k) * r + a])]
+            next_ids += ahead[r, 1:].tolist() if k > 1 else []
+            nxt.append(RequestChunk(next_ids, contexts[r] + a + 1, history[r] + ids[r][: a + 1], pages[r], own, 0,
+                                    state_token_slots=spares))
         runner.prepare_mixed(nxt)
         for f in fields:
             rows = T if runner.mbuf[f].shape[0] >= T else runner.mbuf[f].shape[0]
             assert torch.equal(device[f][:rows], runner.mbuf[f][:rows]), (trial, f)
         assert device_blocks == blocks(runner.mbuf), trial
+    assert moved == set(range(k + 1)), "every number of kept drafts"
 
 
 def test_a_draft_steps_rows_moved_on_the_device_equal_the_host_layout_at_their_positions(tiny_dir):
@@ -801,7 +811,7 @@ class ScriptedDraftGraphs:
     it (`expected`: request id -> prompt + output), wrong where wrong_half(p). Requests are told apart by their first
     page (block table column 0)."""
 
-    def __new__(cls, engine, target, expected: dict[str, list[int]]):
+    def __new__(cls, engine, target, expected: dict[str, list[int]], k: int = 1):
         from qwen4exp.engine.cuda_graph import CUDAGraphRunner
 
         class Runner(CUDAGraphRunner):
@@ -824,22 +834,25 @@ class ScriptedDraftGraphs:
 
         c = engine.config
         return Runner(engine.model, engine.runner.cache, engine.cache.page_size, c.max_model_len, target.max_batch,
-                      engine.device, target.buckets, c.max_num_batched_tokens, 1, draft=True, target=target)
+                      engine.device, target.buckets, c.max_num_batched_tokens, k, draft=True, target=target)
 
 
 @pytest.mark.slow
-def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("k", [1, 3])
+def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch, k):
     """Steps launched before the step before them is read (SpecDecoder.chain: the layout derived on the device, on
-    the graphs' buffers run eagerly) give the outputs of decoding without speculation, with drafts half right:
+    the graphs' buffers run eagerly; for k >= 2 with the further drafts made before the read, the rows moved on the
+    device) give the outputs of decoding without speculation, with drafts half right:
     requests stopping on a token inside a chain (its chained step's tokens dropped), one aborted while a chained step
     is in flight, one arriving during a chain (which then stops for its prefill), chains stopped by pages running
-    short; every page and slot is free afterwards."""
+    short; every chained step verifies the drafts the draft layer made for its positions; every page and slot is
+    free afterwards."""
     from qwen4exp import ops
 
     rng = random.Random(21)
     requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(12, 40))],
-                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(14, 30), ignore_eos=True))
-                for i in range(4)]
+                 SamplingParams(temperature=0.0, max_tokens=rng.randrange(14, 30) + 16 * (k - 1), ignore_eos=True))
+                for i in range(4)]  # longer with more drafts: a chain stops 2k + 2 tokens before max_tokens
     small = dict(ENGINE, num_pages=22, max_num_batched_tokens=64, max_num_seqs=4)
     expected = generate(LLM(tiny_dir, **small), requests)
     rid, prompt, params = requests[1]  # stops on its sixth token
@@ -848,11 +861,27 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
     expected = generate(LLM(tiny_dir, **small), requests)
     sequences = {rid: prompt + expected[rid].outputs[0].token_ids for rid, prompt, _ in requests}
     monkeypatch.setattr(ops.settings, "fast_on_cpu", True)
-    llm = LLM(tiny_dir, **small, speculative_config=speculative(1))
+    llm = LLM(tiny_dir, **small, speculative_config=speculative(k))
     engine = llm.llm_engine
-    target = engine.runner.graphs = EagerSpeculativeGraphs(llm, 1, [1, 2, 4], 64)
-    engine.spec.proposer.graphs = ScriptedDraftGraphs(engine, target, sequences)
+    target = engine.runner.graphs = EagerSpeculativeGraphs(llm, k, [1, 2, 4], 64)
+    engine.spec.proposer.graphs = ScriptedDraftGraphs(engine, target, sequences, k)
     target.chains = True  # its chained steps' graphs run eagerly too, with the scripted drafts
+    run, checked = target._run, []
+
+    def run_and_check_drafts(key):
+        """A chained step: its draft rows (a request's rows after its first) hold the script's drafts there."""
+        if key[0] == "chained":
+            meta = target._mixed_meta(*key[1:])
+            owner = {r.pages[0]: r.request_id for r in engine.scheduler.running if r.pages}
+            first_page = target.mbuf["block_tables"][:, 0][meta.token_req]
+            for t in range(int(meta.query_start_loc[-2])):
+                rid = owner.get(int(first_page[t]))
+                if rid is not None and int(meta.token_local[t]) > 0:
+                    q, seq = int(meta.token_pos[t]), sequences[rid]
+                    draft = seq[q] if q < len(seq) else 3
+                    checked.append(int(meta.input_ids[t]) == ((draft + 1) % 500 if wrong_half(q - 2) else draft))
+        return run(key)
+    target._run = run_and_check_drafts
     chain, chained = engine.spec.chain, []
     engine.spec.chain = lambda eng, step: (lambda nxt: chained.append(nxt is not None) or nxt)(chain(eng, step))
     reserve, reservations = engine.scheduler.reserve, []
@@ -877,5 +906,6 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch):
     assert aborted and "2" not in outputs
     assert_same_outputs(outputs, expected, [r for r in requests if r[0] != "2"])
     assert sum(chained) > 10 and not all(chained), "chained steps and steps that could not chain"
+    assert len(checked) >= k * sum(chained) and all(checked), "the drafts of the chained steps"
     assert not all(reservations), "chains stopped for want of pages"
     assert engine.cache.all_free()

@@ -195,6 +195,7 @@ class CUDAGraphRunner:
         self.target = target
         self.drafter: CUDAGraphRunner | None = None  # the draft layer's runner over these buffers
         self.chains = False  # the chained steps' graphs are captured (capture_chained)
+        self.kept_layout: torch.Tensor | None = None  # keep_layout's copy of the mixed buffers
         self.ids = None
         if target is not None:
             target.drafter = self
@@ -335,7 +336,7 @@ class CUDAGraphRunner:
     def capture_chained(self) -> None:
         """The chained steps' graphs (execute_chained), once the draft layer's runner is built over these buffers:
         one a mixed-step graph, the step followed by draft step 0."""
-        assert self.speculative == 1 and self.drafter is not None, "chained steps verify one draft"
+        assert self.drafter is not None, "a chained step's graph holds its draft step 0"
         t0 = time.perf_counter()
         self._capture_mixed("chained")
         self.chains = True
@@ -449,25 +450,38 @@ class CUDAGraphRunner:
         fill_pending(self.mbuf["input_ids"], pending_rows(chunks, qsl), pending_ids)
         return self._run_draft(key, np.concatenate(wanted), streams)
 
+    def keep_layout(self) -> None:
+        """Keeps a copy (on the device, in stream order) of the layout in the mixed buffers, the step just replayed,
+        which the draft layer's further draft steps then overwrite (MTPProposer.draft_ahead): execute_chained
+        derives the next step from it."""
+        arena = self.mstage.arena
+        if self.kept_layout is None:
+            self.kept_layout = torch.empty_like(arena)
+        self.kept_layout.copy_(arena)
+
     @torch.inference_mode()
     def execute_chained(self, key: tuple, num_reqs: int, pages: list[tuple[int, int, list[int]]],
-                        accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor):
-        """The next step of the verified step just run (num_reqs requests of two rows, in its order), launched
+                        accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor,
+                        ahead: torch.Tensor | None = None):
+        """The next step of the verified step just run (num_reqs requests of 1 + k rows, in its order), launched
         before the host has read it (SpecDecoder.chain): its layout derived on the device from the step's results
         (ops.verified_layout: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read before the
-        replay overwrites them), then the chained graph of `key`'s tokens and context bound replayed: the step and
-        its draft step 0. pages: (request, first column, page ids) of the pages the requests took since, written
-        into their block tables first. Returns (every row's argmax, the drafts each request keeps, every row's draft
-        and draft states), views valid until the next replay."""
+        replay overwrites them; for k >= 2 `ahead`, the next step's drafts made ahead, and the step's layout from
+        keep_layout), then the chained graph of `key`'s tokens and context bound replayed: the step and its draft
+        step 0. pages: (request, first column, page ids) of the pages the requests took since, written into their
+        block tables first. Returns (every row's argmax, the drafts each request keeps, every row's draft and draft
+        states), views valid until the next replay."""
+        if ahead is not None:
+            self.mstage.arena.copy_(self.kept_layout)
         tables = self.mbuf["block_tables"]
         for r, first, ids in pages:
             tables[r, first: first + len(ids)].copy_(to_device(ids, self.device, torch.int32))
             self.tables["width"] = max(self.tables["width"], first + len(ids))
         advance_verified(self.mbuf, num_reqs, self.page_size, self.C if self.config.qsa else 0, accepted, emitted,
-                         drafts)
+                         drafts, ahead)
         _, tokens, kept, drafts, draft_streams = self._run(("chained", *key[1:]))
         self.last_key = key
-        rows = 2 * num_reqs
+        rows = (1 + self.speculative) * num_reqs
         return tokens[:rows], kept[:num_reqs], drafts[:rows], draft_streams[:rows]
 
     def _fill_mixed_padding(self, h: dict[str, np.ndarray], T: int, total: int, ids: dict[str, np.ndarray]) -> None:

@@ -526,7 +526,7 @@ def build_model_and_cache(model_dir: str | None, config: EngineConfig, model_con
             if config.speculative_config is not None:  # the draft layer's reuse the target's pool: never run at once
                 draft_graphs = runner(draft=True, pool=graphs.pool, target=graphs)
                 draft_graphs.capture()
-                if config.num_speculative_tokens == 1 and len(model.mtp.layers) == 1:  # SpecDecoder.chain's steps
+                if len(model.mtp.layers) == 1:  # SpecDecoder.chain's steps
                     graphs.capture_chained()
     return config, allocator, cache_tensors, graphs, draft_graphs, model
 

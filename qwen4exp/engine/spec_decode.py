@@ -40,11 +40,11 @@ mixed-layout graphs (cuda_graph.py) for decode and verify steps, and the draft l
 their own (MTPProposer.graphs). The engine's asynchronous scheduling is off (a step's tokens are the ones the
 previous step accepted, read by the host): instead the drafts stay on the device (DeviceDrafts) as the next step's
 pending tokens, and the host's only wait a step is for the verification, while the device drafts. Where the steps
-are uniform (k = 1, every request verified greedily inside the graph, nothing else waiting), the next step is
+are uniform (every request verified with k drafts greedily inside the graph, nothing else waiting), the next step is
 chained: launched before the host reads the current one, its layout derived on the device (`SpecDecoder.chain`),
 so the host's work of a step runs while the device computes the next (the step then costs the larger of the two,
-not their sum); a chained step's graph runs its draft step 0 too. With k >= 2 steps are not chained: the host reads
-each verification before it launches the next step, and the device waits for it once its drafts are done.
+not their sum); a chained step's graph runs its draft step 0 too, and with k >= 2 its further draft steps follow
+before the host reads anything (draft_ahead), so that the step after can chain in turn.
 
 A request under a grammar (structured output) decodes without drafts, sampled under its grammar's mask as without
 speculation, beside the others' verification: its mask at a draft's row would need its matcher advanced through
@@ -126,7 +126,8 @@ class Proposer:
     def launch(self, chunks: list[RequestChunk], streams: torch.Tensor, next_ids: torch.Tensor | None):
         return None
 
-    def draft_ahead(self, launched, rows: list[AheadRow], accepted: torch.Tensor, k: int) -> None:
+    def draft_ahead(self, launched, rows: list[AheadRow], accepted: torch.Tensor, k: int,
+                    shift: torch.Tensor | None = None) -> None:
         """May queue every draft of the next step behind `launched` (see MTPProposer.draft_ahead)."""
 
     def propose(self, batch: DraftBatch) -> list[list[int]] | DeviceDrafts:
@@ -137,13 +138,14 @@ class Proposer:
 class AheadRow:
     """A request of a step whose drafts are made before the host reads it (MTPProposer.draft_ahead): the position of
     its first row that may be its last kept one (a verified request's first row, another's last), that row among
-    draft step 0's wanted rows and among the step's rows, and how many drafts it may keep."""
+    draft step 0's wanted rows and among the step's rows, and how far its rows may move (the drafts it may keep;
+    in a chained step those of the step before too)."""
 
     request: Request
     position: int
     draft_row: int
     stream_row: int
-    num_drafts: int
+    max_shift: int
 
 
 @dataclass
@@ -188,33 +190,36 @@ class MTPProposer(Proposer):
         return DraftLaunch(*self._draft(chunks, streams, next_ids, 0))
 
     @torch.inference_mode()
-    def draft_ahead(self, launched: DraftLaunch, rows: list[AheadRow], accepted: torch.Tensor, k: int) -> None:
+    def draft_ahead(self, launched: DraftLaunch, rows: list[AheadRow], accepted: torch.Tensor, k: int,
+                    shift: torch.Tensor | None = None) -> None:
         """The further draft steps (1 .. k-1) of a step whose every request samples its next token there greedily on
         the device (`accepted`: the drafts each keeps), queued behind draft step 0 before the host reads the
         verification, so that the device drafts while the host reads and commits (else it waits for the host to
-        launch each further draft step). Request r's draft j sits at rows[r].position + a_r + j, laid out by the
-        host for a_r = 0 and moved on the device (CUDAGraphRunner.execute_draft_shifted). Only on the draft layer's
-        graphs, where every position a request may reach is in its pages and the graph's context bound is the same
-        whatever the requests keep; else nothing is queued and `propose` drafts after the read."""
+        launch each further draft step). Request r's draft j sits at rows[r].position + shift_r + j (shift: the
+        drafts it keeps, a_r, unless given: a chained step's rows move by what the step before keeps too), laid out
+        by the host for a shift of 0 and moved on the device (CUDAGraphRunner.execute_draft_shifted). Only on the
+        draft layer's graphs, where every position a request may reach is in its pages and the graph's context bound
+        is the same whatever the requests keep; else nothing is queued and `propose` drafts after the read."""
         g, n = self.graphs, len(rows)
         if g is None or k < 2 or not n:
             return
         page_size = self.builder.page_size
-        if any(x.position + x.num_drafts + k > len(x.request.pages) * page_size for x in rows):
+        if any(x.position + x.max_shift + k > len(x.request.pages) * page_size for x in rows):
             return
         chunks = [[RequestChunk([0], x.position + j, [], x.request.pages, x.request.state_slot, 0, pending_row=i)
                    for i, x in enumerate(rows)] for j in range(1, k)]
-        low, high = max(x.position for x in rows), max(x.position + x.num_drafts for x in rows)
+        low, high = max(x.position for x in rows), max(x.position + x.max_shift for x in rows)
         if not g.can_run(chunks[0]) or any(g.variant(low + j + 1) != g.variant(high + j + 1) for j in range(1, k)):
             return
         a = accepted[:n]
+        shift = a if shift is None else shift
         device = a.device
         tokens = launched.tokens[to_device([x.draft_row for x in rows], device, torch.long) + a]
         streams = launched.streams[to_device([x.stream_row for x in rows], device, torch.long) + a]
         out = torch.empty(n, k, dtype=torch.long, device=device)
         out[:, 0] = tokens
         for j in range(1, k):
-            tokens, streams = g.execute_draft_shifted(chunks[j - 1], streams, tokens, a)
+            tokens, streams = g.execute_draft_shifted(chunks[j - 1], streams, tokens, shift)
             out[:, j] = tokens
         launched.ahead, launched.ahead_rows = out, {id(x.request): i for i, x in enumerate(rows)}
 
@@ -388,23 +393,27 @@ class SpecDecoder:
                                                  list(range(len(constrained))))
         for req in sample_reqs + constrained:
             req.num_pending += 1
-        # the next step can be chained to this one when every request is verified with one draft from raw logits,
-        # greedily (inside the graph), the draft layer runs on the step's graph buffers and the chained steps' graphs
-        # are captured (k = 1)
+        # the next step can be chained to this one when every request is verified with k drafts from raw logits,
+        # greedily (inside the graph), the draft layer runs on the step's graph buffers, the chained steps' graphs
+        # are captured, and for k >= 2 the next step's drafts are made before the read (draft_ahead)
         graphs, drafter = engine.runner.graphs, getattr(self.proposer, "graphs", None)
         chain_key = None
         if (graphs is not None and graphs.chains and graphs.last_key is not None
                 and drafter is not None and drafter.can_draft_on_step() and in_graph and not constrained
                 and not keep_logits and len(sample_reqs) == len(spans) and all_rows
-                and all(len(d) == 1 for d in sample_drafts)):
+                and all(len(d) == self.k for d in sample_drafts)):
             chain_key = graphs.last_key
         launched, draft_rows = self._launch_draft(spans, chunks, streams, verified, constrained_sampled)
         if self.k > 1 and in_graph and not constrained and len(sample_reqs) == len(spans) and all_rows:
+            if chain_key is not None:
+                graphs.keep_layout()  # before the further draft steps overwrite it
             ahead = []
             for (req, start, end, _), row, draft_row, drafts in zip(spans, rows, draft_rows, sample_drafts):
                 position = start if drafts else end - 1  # every request samples here, from this row on
                 ahead.append(AheadRow(req, position, draft_row, row + position - start, len(drafts)))
             self.proposer.draft_ahead(launched, ahead, accepted, self.k)
+        if self.k > 1 and getattr(launched, "ahead", None) is None:
+            chain_key = None
         return SpecStep(spans, logits if keep_logits else None, sample_reqs, sample_drafts, verified, rows,
                         draft_rows, launched, constrained, constrained_sampled, chain_key,
                         (argmax, greedy_accepted) if chain_key else None)
@@ -415,7 +424,7 @@ class SpecDecoder:
         then overlaps the device's work of the next, instead of the device waiting for it. Each request's next
         step depends on how many of its drafts `step` keeps, which only the device knows yet: the next layout is
         derived there (CUDAGraphRunner.execute_chained), so a chain needs steps as the graphs replay them alike
-        every time: the same requests, each verified with one draft, greedily from raw logits (`chain_key`), nothing
+        every time: the same requests, each verified with k drafts, greedily from raw logits (`chain_key`), nothing
         else waiting, no request within reach of max_tokens or max_model_len, and free pages for the positions the
         next step may reach. A request that finishes in `step` has run the chained step in vain (its tokens are
         dropped, as asynchronous scheduling drops a stopped request's extra token)."""
@@ -445,16 +454,24 @@ class SpecDecoder:
             return None
         key = (*step.chain_key[:2], variant)
         emitted, accepted = step.results
+        before = accepted[: len(reqs)].clone() if self.k > 1 else None  # the replay overwrites it
         emitted, accepted, *drafted = graphs.execute_chained(key, len(reqs), pages, accepted, emitted,
-                                                             step.launched.tokens)
+                                                             step.launched.tokens, step.launched.ahead)
         launched = DraftLaunch(*drafted)
         verified = self.rejection.verify_greedy(emitted, accepted, [k1] * len(reqs))
         for r in reqs:
             r.num_pending += 1
         step.chained = True
         rows = [i * k1 for i in range(len(reqs))]
+        if self.k > 1:  # the next step's drafts, before the host reads either step: so that it can chain in turn
+            graphs.keep_layout()
+            # request i's rows start at its position + 1 if `step` keeps no draft, and move by what both steps keep
+            self.proposer.draft_ahead(launched, [AheadRow(r, r.num_computed_tokens + 1, row, row, 2 * self.k)
+                                                 for r, row in zip(reqs, rows)], accepted, self.k,
+                                      shift=before + accepted[: len(reqs)])
         return SpecStep(None, None, reqs, [[0] * self.k for _ in reqs], verified, rows, rows, launched,
-                        chain_key=key, results=(emitted, accepted))
+                        chain_key=key if self.k == 1 or launched.ahead is not None else None,
+                        results=(emitted, accepted))
 
     @staticmethod
     def _read_drafts_for_adjusted_rows(scheduled) -> None:

@@ -13,31 +13,37 @@ if HAS_TRITON:
 
 
 def advance_verified(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int, compress: int,
-                     accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor) -> None:
+                     accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor,
+                     ahead: torch.Tensor | None = None) -> None:
     """`advance_verified_ref`; on the fast path one Triton launch (a program per request) instead of its forty-odd
     small kernels."""
     if HAS_TRITON and fast_path(accepted) and num_reqs:
-        verified_layout_triton.advance_verified(buf, num_reqs, page_size, compress, accepted, emitted, drafts)
+        verified_layout_triton.advance_verified(buf, num_reqs, page_size, compress, accepted, emitted, drafts, ahead)
     else:
-        advance_verified_ref(buf, num_reqs, page_size, compress, accepted, emitted, drafts)
+        advance_verified_ref(buf, num_reqs, page_size, compress, accepted, emitted, drafts, ahead)
 
 
 def advance_verified_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size: int, compress: int,
-                         accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor) -> None:
-    """The device layout of a step of `num_reqs` verified requests with one draft each (rows 2r, 2r + 1: the last
-    sampled token, the draft; the speculative graphs' mixed buffers `buf` as CUDAGraphRunner.prepare_mixed fills
-    them) turned, in place and on the device, into the layout of the same requests' next step, as `StepBuilder.build`
-    would give it once the host has read this step: it is how a step is launched before the previous one is read
-    (SpecDecoder.chain). From this step's results: `accepted` [R] drafts kept per request (greedy_acceptance),
-    `emitted` [2R] every row's argmax, `drafts` [2R] the draft layer's draft at every row.
+                         accepted: torch.Tensor, emitted: torch.Tensor, drafts: torch.Tensor,
+                         ahead: torch.Tensor | None = None) -> None:
+    """The device layout of a step of `num_reqs` verified requests with k drafts each (rows r(1 + k) .. r(1 + k) + k:
+    the last sampled token, the drafts; the speculative graphs' mixed buffers `buf` as CUDAGraphRunner.prepare_mixed
+    fills them) turned, in place and on the device, into the layout of the same requests' next step, as
+    `StepBuilder.build` would give it once the host has read this step: it is how a step is launched before the
+    previous one is read (SpecDecoder.chain). From this step's results: `accepted` [R] drafts kept per request
+    (greedy_acceptance), `emitted` [(1 + k)R] every row's argmax, `drafts` [(1 + k)R] the draft layer's draft at every
+    row, and for k >= 2 `ahead` [R, k] each request's drafts for the next step (MTPProposer.draft_ahead: the draft at
+    its kept row, then the further ones); k = 1 without it.
 
-    Request r keeps 1 + a rows: its context grows by 1 + a, its next rows are the token emitted at row a and the
-    draft made there; its state moves to the slot of row a (the spare one it was stored into, the one after the
-    last row when a = 1), the slot it leaves becoming the spare; its n-gram context ends with its kept tokens; its
-    cache slots and the QSA blocks its rows complete follow from the new positions and its block tables (which must
+    Request r keeps 1 + a rows: its context grows by 1 + a, its next rows are the token emitted at row a and its
+    drafts from there; its state moves to the slot of row a (the spare one it was stored into; the one after the last
+    row when a = k), the slot it leaves becoming that spare; its n-gram context ends with its kept tokens; its cache
+    slots and the QSA blocks its rows complete follow from the new positions and its block tables (which must
     already hold the pages of the next step's positions); `compress`: the QSA block size C (0: no QSA). Only rows of
     the step's requests change: the padding request's and the empty rows' stay as they are."""
-    n, k1 = num_reqs, 2
+    n = num_reqs
+    k = 1 if ahead is None else ahead.shape[1]
+    k1 = 1 + k
     rows = n * k1
     a = accepted[:n]
     grow = a + 1
@@ -50,6 +56,8 @@ def advance_verified_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size:
     kept = torch.arange(n, device=a.device) * k1 + a  # each request's last kept row
     ids[:, 0] = emitted[kept]
     ids[:, 1] = drafts[kept]
+    if k > 1:
+        ids[:, 2:] = ahead[:n, 1:]
     positions = buf["positions"][:rows].view(n, k1)
     positions += grow[:, None]
     buf["context_lens"][:n] += grow.to(buf["context_lens"].dtype)
@@ -57,14 +65,15 @@ def advance_verified_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size:
     req = torch.arange(n, device=a.device).repeat_interleave(k1)
     slots = buf["block_tables"][req, pos // page_size].long() * page_size + pos % page_size
     buf["slot_mapping"][:rows] = slots
-    # state slots: [spare, own] per request; the kept row's becomes its own, the one it leaves the spare
-    spare = buf["state_token_slots"][:rows].view(n, k1)[:, 0]
+    # state slots: spares at rows 0 .. k-1, the own one; the kept row's becomes the own, the own one its spare
+    spares = buf["state_token_slots"][:rows].view(n, k1)
     own = buf["state_slots"][:n]
-    moved = a == 0
-    new_own = torch.where(moved, spare, own)
-    buf["state_token_slots"][:rows].view(n, k1)[:, 0] = torch.where(moved, own, spare)
-    own.copy_(new_own)
-    if compress:  # the QSA blocks each request's two rows complete: one at most (two when C = 1), at entries r, n + r
+    moved = a < k
+    col = a.clamp(max=k - 1)[:, None]
+    spare = spares.gather(1, col)[:, 0]
+    spares.scatter_(1, col, torch.where(moved, own, spare)[:, None])
+    own.copy_(torch.where(moved, spare, own))
+    if compress:  # the QSA blocks each request's rows complete, ceil((1 + k) / C) at most, at entries i n + r
         c = buf["context_lens"][:n].long()
         first = (compress - 1 - c % compress) % compress  # the first row whose position + 1 is a multiple of C
         for i in range(-(-k1 // compress)):
