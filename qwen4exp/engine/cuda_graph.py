@@ -81,12 +81,14 @@ class StagedBuffers:
     """Device buffers that a step fills from the host in one copy: every buffer is a view into one device arena,
     written on the host into a page-locked copy of it (numpy views), then sent whole. A step's twenty-odd fields
     would otherwise be as many host-to-device copies, each ~10 us of host time on the critical path of a step the
-    host cannot prepare ahead (speculative verification). Two host copies alternate, each reused only once the copy
-    that last read it has run, since the host may run a step ahead of the device."""
+    host cannot prepare ahead (speculative verification). `copies` host copies (at least two) take turns, each
+    reused only once the copy that last read it has run, since the host may run a step ahead of the device: as many
+    as the sends the host queues behind a step it has not waited for (a chained speculative step's further draft
+    steps), so that none of them waits for that step."""
 
     ALIGN = 16
 
-    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device):
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device, copies: int = 2):
         device = torch.device(device)
         offsets, size = {}, 0
         for name, (shape, dtype) in specs.items():
@@ -96,7 +98,7 @@ class StagedBuffers:
         self.size = max(size, self.ALIGN)
         self.arena = torch.zeros(self.size, dtype=torch.uint8, device=device)
         pinned = device.type == "cuda"
-        self.hosts = [torch.zeros(self.size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self.hosts = [torch.zeros(self.size, dtype=torch.uint8, pin_memory=pinned) for _ in range(max(copies, 2))]
 
         def views(buffer, to_numpy):
             out = {}
@@ -108,7 +110,7 @@ class StagedBuffers:
 
         self.device = views(self.arena, False)
         self.host_views = [views(h, True) for h in self.hosts]
-        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.copied: list[torch.cuda.Event | None] = [None] * len(self.hosts)
         self.turn = 0
 
     def host(self) -> dict[str, np.ndarray]:
@@ -125,7 +127,7 @@ class StagedBuffers:
         if self.arena.is_cuda:
             event = self.copied[self.turn] = torch.cuda.Event()
             event.record()
-        self.turn ^= 1
+        self.turn = (self.turn + 1) % len(self.hosts)
 
 
 class CUDAGraphRunner:
@@ -204,13 +206,15 @@ class CUDAGraphRunner:
             # one small copy instead of a second layout (the draft layer reads no recurrent state or n-gram context)
             assert draft and target.mixed_sizes == self.mixed_sizes and target.variants == self.variants
             self.mstage, self.mbuf = target.mstage, dict(target.mbuf)
-            self.ids = StagedBuffers(dict(input_ids=((T,), i64)), self.device)
+            self.ids = StagedBuffers(dict(input_ids=((T,), i64)), self.device, copies=2 * speculative)
             self.mbuf["input_ids"] = self.ids.device["input_ids"]
             self.tables = target.tables
         else:
             if speculative and not draft:
                 specs["state_token_slots"] = ((T,), i64)
-            self.mstage = StagedBuffers(specs, self.device)
+            # the k - 1 further draft steps of a chained step are sent behind it, and the next chained step's behind
+            # that, before the host waits for the first
+            self.mstage = StagedBuffers(specs, self.device, copies=2 * speculative)
             self.mbuf = dict(self.mstage.device,
                              block_tables=torch.zeros(R, mixed_pages, dtype=torch.int32, device=self.device),
                              rope_offset=torch.zeros(T, **z))
