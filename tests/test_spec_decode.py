@@ -852,7 +852,7 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch, k):
     rng = random.Random(21)
     requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(12, 40))],
                  SamplingParams(temperature=0.0, max_tokens=rng.randrange(14, 30) + 16 * (k - 1), ignore_eos=True))
-                for i in range(4)]  # longer with more drafts: a chain stops 2k + 2 tokens before max_tokens
+                for i in range(4)]  # longer with more drafts: as many steps
     small = dict(ENGINE, num_pages=22, max_num_batched_tokens=64, max_num_seqs=4)
     expected = generate(LLM(tiny_dir, **small), requests)
     rid, prompt, params = requests[1]  # stops on its sixth token

@@ -425,9 +425,9 @@ class SpecDecoder:
         step depends on how many of its drafts `step` keeps, which only the device knows yet: the next layout is
         derived there (CUDAGraphRunner.execute_chained), so a chain needs steps as the graphs replay them alike
         every time: the same requests, each verified with k drafts, greedily from raw logits (`chain_key`), nothing
-        else waiting, no request within reach of max_tokens or max_model_len, and free pages for the positions the
-        next step may reach. A request that finishes in `step` has run the chained step in vain (its tokens are
-        dropped, as asynchronous scheduling drops a stopped request's extra token)."""
+        else waiting, no request within reach of max_model_len, and free pages for the positions the next step may
+        reach. A request that finishes in `step` (a stop, or max_tokens) has run the chained step in vain (its tokens
+        are dropped, as asynchronous scheduling drops a stopped request's extra token)."""
         if step.chain_key is None or engine.scheduler.waiting:
             return None
         reqs = step.sample_reqs
@@ -435,11 +435,11 @@ class SpecDecoder:
             return None
         k1 = 1 + self.k
         # the next step's rows sit at most 2(1 + k) positions past this step's first, and drafting writes k more;
-        # the step after it gets k drafts whatever this step keeps
+        # the step after it gets k drafts whatever this step keeps (tokens past max_tokens are dropped as they are
+        # committed: a request that reaches it in `step` runs the chained step in vain, as one that stops)
         reach, shortest, longest = [], 0, 0
         for r in reqs:
-            if (len(r.output_token_ids) + k1 + self.k + 1 > r.max_tokens
-                    or r.num_tokens + k1 + self.k + 1 > self.max_model_len):
+            if r.num_computed_tokens + 2 * k1 + self.k > self.max_model_len:
                 return None
             shortest = max(shortest, r.num_computed_tokens + 1 + k1)
             longest = max(longest, r.num_computed_tokens + 2 * k1)
