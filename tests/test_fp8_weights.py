@@ -363,6 +363,23 @@ def test_make_random_cli_quantization_flag(tmp_path, capsys):
         main(["make-random", str(tmp_path), "--quantization", "int4"])
 
 
+def test_make_random_config_only_runs_as_its_checkpoint_with_dummy_weights(fp8_dir, tmp_path, capsys):
+    """make-random --config-only: the config (the fp8 modules_to_not_convert included), generation config and
+    tokenizer without weight files; with load_format="dummy" it generates what the full checkpoint does."""
+    d = str(tmp_path / "config-only")
+    assert main(["make-random", d, "--preset", "tiny", "--dtype", "bfloat16", "--seed", "3", "--quantization", "fp8",
+                 "--config-only"]) == 0
+    assert "without weights" in capsys.readouterr().out
+    assert not [f for f in os.listdir(d) if "safetensors" in f]
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        with open(os.path.join(d, name)) as a, open(os.path.join(fp8_dir, name)) as b:
+            assert json.load(a) == json.load(b), name
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = [LLM(m, dtype="float32", load_format="dummy", max_model_len=64).generate(
+        [{"prompt_token_ids": [5, 9, 33, 7]}], params)[0].outputs[0].token_ids for m in (d, fp8_dir)]
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
 # ----- dummy weights -----
 
 @pytest.mark.parametrize("source", ["quantization", "quantization_config"])

@@ -20,9 +20,13 @@ def _make_random(args) -> None:
     from ..weights.random_checkpoint import make_random
 
     make_random(args.dir, args.preset, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
-                vision=args.vision)
+                vision=args.vision, weights=not args.config_only)
     kind = (" fp8" if args.quantization else "") + (" vision-language" if args.vision else "")
-    print(f"wrote a random{kind} {args.preset} checkpoint to {args.dir}")
+    if args.config_only:
+        print(f"wrote the{kind} {args.preset} config and tokenizer, without weights, to {args.dir} "
+              "(run it with --load-format dummy)")
+    else:
+        print(f"wrote a random{kind} {args.preset} checkpoint to {args.dir}")
 
 
 def _generate(args) -> None:
@@ -150,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the multimodal layout: a vision tower (model.visual.*, small for tiny and small, the "
                          "released widths otherwise), the text model under model.language_model.*, the vision "
                          "tokens and a preprocessor_config.json")
+    mr.add_argument("--config-only", action="store_true",
+                    help="everything but the weights (config, generation config, tokenizer), for engines that make "
+                         "random ones in place: --load-format dummy")
     mr.set_defaults(func=_make_random)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")

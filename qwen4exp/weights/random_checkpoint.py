@@ -175,11 +175,12 @@ def unquantized_projections(model) -> list[str]:
 
 def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 0,
                 max_shard_bytes: int = 4 << 30, overrides: dict | None = None, quantization: str | None = None,
-                vision: bool = False) -> str:
+                vision: bool = False, weights: bool = True) -> str:
     """`overrides` replaces config fields of the preset (e.g. a larger ngram_vocab_size_base). quantization: None,
     or "fp8" for the released FP8 layout (see the module docstring). vision: the multimodal layout (config.json's
     `qwen4_exp` wrapper with the text config under text_config, a vision tower `model.visual.*` kept in `dtype`, the
-    text model's tensors under `model.language_model.*`, the vision tokens, preprocessor_config.json)."""
+    text model's tensors under `model.language_model.*`, the vision tokens, preprocessor_config.json). weights=False:
+    everything but the weights, for engines that make their own (load_format="dummy")."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization: unknown value {quantization!r} (expected fp8)")
     os.makedirs(out_dir, exist_ok=True)
@@ -215,6 +216,8 @@ def make_random(out_dir: str, preset: str, dtype: str = "bfloat16", seed: int = 
     if quantization:
         cfg["quantization_config"]["modules_to_not_convert"] = unquantized_projections(model)
         write_config()
+    if not weights:
+        return out_dir
     specs = checkpoint_specs(model, config)
     buffers = dict(model.named_buffers())
     g = torch.Generator().manual_seed(seed)
