@@ -106,11 +106,12 @@ def allocate_engine_cache(model_config: ModelConfig, engine_config: EngineConfig
     mtp = e.speculative_config is not None
     per_seq = 1 + e.num_speculative_tokens
     checkpoints = e.max_num_seqs if e.enable_prefix_caching else 0
-    ssm_dtype = getattr(torch, e.ssm_dtype(c))
+    ssm_name = e.ssm_dtype(c)
+    ssm_dtype = getattr(torch, ssm_name)
     plan = MemoryPlan(str(device), e.cpu_cache_bytes, page_size, max(page_bytes(c, page_size, dtype, mtp), 1),
                       max(slot_bytes(c, dtype, ssm_dtype), 1), per_seq * e.max_num_seqs + 1 + checkpoints,
                       e.max_model_len or c.max_position_embeddings, e.max_num_seqs, per_seq, checkpoints,
-                      ssm_dtype=e.ssm_dtype(c))
+                      ssm_dtype=ssm_name)
     hints = []
     if device.type == "cuda":
         memory = DeviceMemory.measure(device, e.gpu_memory_utilization)

@@ -1,7 +1,7 @@
 """Layouts finished on the device (a verified step's advanced to the next, a draft step's rows moved to the kept
 positions): the Triton kernels (GPU, or the interpreter on CPU) against the torch references, on buffers shaped as
 the speculative graphs' (requests beyond the step, padding and stale entries included, which neither may touch),
-for every QSA block size and n-gram width."""
+for every QSA block size, n-gram width and number of drafts."""
 
 import pytest
 import torch
