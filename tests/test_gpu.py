@@ -351,10 +351,10 @@ def test_gpu_decode_of_requests_with_images_replays_graphs_and_equals_the_cpu(tm
 def test_gpu_bf16_state_speculation_equals_decoding_without_it(k, tmp_path):
     """--mamba-ssm-cache-dtype bfloat16 on the GPU (graphs, the recurrent kernel going on from each verified row's
     stored, rounded state): greedy tokens with speculation equal decoding's without it on the same state dtype, and
-    logprobs within 1e-3. Every prompt prefills in one step both ways, but not with the same kernel (fla's chunk
+    logprobs within 5e-3. Every prompt prefills in one step both ways, but not with the same kernel (fla's chunk
     kernel eagerly, or the recurrent one in a mixed CUDA graph, depending on the step's size and graphs), whose fp32
-    states differ in their last bits, which the rounding to bf16 can turn into a whole bf16 step (1.4e-4 in a
-    logprob measured)."""
+    states differ in their last bits, which the rounding to bf16 can turn into a whole bf16 step of a state
+    element (up to 1.1e-3 in a logprob measured, on an H100)."""
     import random
 
     from test_spec_decode import assert_same_outputs, generate
@@ -371,7 +371,7 @@ def test_gpu_bf16_state_speculation_equals_decoding_without_it(k, tmp_path):
                   mamba_ssm_cache_dtype="bfloat16")
     expected = generate(LLM(d, device="cuda", **engine), requests)
     llm = LLM(d, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
-    assert_same_outputs(generate(llm, requests), expected, requests, logprob_tol=1e-3)
+    assert_same_outputs(generate(llm, requests), expected, requests, logprob_tol=5e-3)
     assert llm.llm_engine.cache.all_free()
 
 

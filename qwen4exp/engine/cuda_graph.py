@@ -198,6 +198,7 @@ class CUDAGraphRunner:
         self.drafter: CUDAGraphRunner | None = None  # the draft layer's runner over these buffers
         self.chains = False  # the chained steps' graphs are captured (capture_chained)
         self.kept_layout: torch.Tensor | None = None  # keep_layout's copy of the mixed buffers
+        self.chained_out: tuple[torch.Tensor, ...] | None = None  # the chained graphs' results (capture_chained)
         self.ids = None
         if target is not None:
             target.drafter = self
@@ -271,7 +272,10 @@ class CUDAGraphRunner:
                 draft_meta = copy.copy(meta)
                 draft_meta.input_ids, draft_meta.state_token_slots = tokens, None
                 # no logits: nothing reads them, and a graph's outputs keep their memory (T x vocab fp32)
-                return (streams, tokens, accepted, *self.drafter.draft_forward(draft_meta, streams))
+                results = (tokens, accepted, *self.drafter.draft_forward(draft_meta, streams))
+                if self.chained_out is not None:
+                    results = [out[: x.shape[0]].copy_(x) for out, x in zip(self.chained_out, results)]
+                return (streams, *results)
             return logits, streams, tokens, accepted
         hidden = self.model(meta, self.cache)
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
@@ -342,6 +346,13 @@ class CUDAGraphRunner:
         one a mixed-step graph, the step followed by draft step 0."""
         assert self.drafter is not None, "a chained step's graph holds its draft step 0"
         t0 = time.perf_counter()
+        # a chained step's results (every row's argmax, the drafts each request keeps, every row's draft and draft
+        # states) are read after the draft layer's further draft steps have replayed (k >= 2). Graphs that share a
+        # pool reuse one another's freed memory: the chained graphs, captured after the draft layer's, could keep
+        # their outputs where those keep their intermediates. So they copy their results into these, outside it.
+        T, R, c = self.mixed_sizes[-1], self.mixed_reqs, self.config
+        self.chained_out = tuple(torch.zeros(n, dtype=torch.long, device=self.device) for n in (T, R, T)) + (
+            torch.zeros(T, c.hc_count * c.hidden_size, dtype=self.drafter.streams_in.dtype, device=self.device),)
         self._capture_mixed("chained")
         self.chains = True
         torch.cuda.synchronize(self.device)
