@@ -750,8 +750,8 @@ def test_a_verified_steps_layout_advanced_on_the_device_equals_the_next_steps_ho
             if a < k:
                 own, spares[a] = spares[a], own
             moved.add(a)
-            next_ids = [int(emitted[(1 + k) * r + a]), int(drafts[(1 + k) * r + a])]
-            next_ids += ahead[r, 1:].tolist() if k > 1 else []
+            drafted = ahead[r].tolist() if k > 1 else [int(drafts[(1 + k) * r + a])]
+            next_ids = [int(emitted[(1 + k) * r + a]), *drafted]
             nxt.append(RequestChunk(next_ids, contexts[r] + a + 1, history[r] + ids[r][: a + 1], pages[r], own, 0,
                                     state_token_slots=spares))
         runner.prepare_mixed(nxt)
@@ -803,6 +803,33 @@ def test_a_draft_steps_rows_moved_on_the_device_equal_the_host_layout_at_their_p
         assert device_blocks == blocks(runner.mbuf), trial
         moved_blocks += device_blocks != []
     assert moved_blocks >= 4, "rows that complete QSA blocks"
+
+
+def share_one_pool(target, drafter) -> None:
+    """The memory pool the target's and the draft layer's graphs share, as eager runners (no capture) would not
+    show it: a graph's outputs may lie where a graph captured before it keeps its intermediates (the target's
+    mixed graphs, largest first, then the draft layer's, then the chained ones), so a replay here spoils the
+    outputs of every graph captured after it, and its own earlier ones (ints to -1, floats to NaN); outputs kept
+    outside the pool (`allocate_chained_results`) survive. A step that reads a graph's results after a replay that
+    may overwrite them then gives wrong tokens on CPU too."""
+    live = []  # (capture rank, output tensors)
+
+    def wrap(run, draft: bool):
+        def replay(key):
+            kind = 2 if key[0] == "chained" else int(draft)
+            rank = (kind, -key[1], target.variants.index(key[2]))
+            for _, tensors in [x for x in live if x[0] >= rank]:
+                for t in tensors:
+                    t.fill_(-1 if not t.is_floating_point() else float("nan"))
+            live[:] = [x for x in live if x[0] < rank]
+            out = run(key)
+            kept = {x.untyped_storage().data_ptr() for x in target.chained_out or ()}
+            live.append((rank, [t for t in (out if isinstance(out, tuple) else (out,))
+                                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in kept]))
+            return out
+        return replay
+
+    target._run, drafter._run = wrap(target._run, False), wrap(drafter._run, True)
 
 
 class ScriptedDraftGraphs:
@@ -866,6 +893,8 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch, k):
     target = engine.runner.graphs = EagerSpeculativeGraphs(llm, k, [1, 2, 4], 64)
     engine.spec.proposer.graphs = ScriptedDraftGraphs(engine, target, sequences, k)
     target.chains = True  # its chained steps' graphs run eagerly too, with the scripted drafts
+    target.allocate_chained_results()
+    share_one_pool(target, engine.spec.proposer.graphs)
     run, checked = target._run, []
 
     def run_and_check_drafts(key):

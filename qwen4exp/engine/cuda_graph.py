@@ -198,7 +198,7 @@ class CUDAGraphRunner:
         self.drafter: CUDAGraphRunner | None = None  # the draft layer's runner over these buffers
         self.chains = False  # the chained steps' graphs are captured (capture_chained)
         self.kept_layout: torch.Tensor | None = None  # keep_layout's copy of the mixed buffers
-        self.chained_out: tuple[torch.Tensor, ...] | None = None  # the chained graphs' results (capture_chained)
+        self.chained_out: tuple[torch.Tensor, ...] | None = None  # allocate_chained_results
         self.ids = None
         if target is not None:
             target.drafter = self
@@ -340,19 +340,22 @@ class CUDAGraphRunner:
                     "%s) in %.1f s", len(self.graphs), " of the draft layer" if self.draft else "", self.buckets,
                     self.mixed_sizes, self.variants, time.perf_counter() - t0)
 
+    def allocate_chained_results(self) -> None:
+        """Buffers outside the graph pool for a chained step's results (every row's argmax, the drafts each request
+        keeps, every row's draft and draft states), which are read after the draft layer's further draft steps have
+        replayed (k >= 2). Graphs that share a pool reuse one another's freed memory: the chained graphs, captured
+        after the draft layer's, could keep their outputs where those keep their intermediates."""
+        T, R, c = self.mixed_sizes[-1], self.mixed_reqs, self.config
+        self.chained_out = tuple(torch.zeros(n, dtype=torch.long, device=self.device) for n in (T, R, T)) + (
+            torch.zeros(T, c.hc_count * c.hidden_size, dtype=self.drafter.streams_in.dtype, device=self.device),)
+
     @torch.inference_mode()
     def capture_chained(self) -> None:
         """The chained steps' graphs (execute_chained), once the draft layer's runner is built over these buffers:
         one a mixed-step graph, the step followed by draft step 0."""
         assert self.drafter is not None, "a chained step's graph holds its draft step 0"
         t0 = time.perf_counter()
-        # a chained step's results (every row's argmax, the drafts each request keeps, every row's draft and draft
-        # states) are read after the draft layer's further draft steps have replayed (k >= 2). Graphs that share a
-        # pool reuse one another's freed memory: the chained graphs, captured after the draft layer's, could keep
-        # their outputs where those keep their intermediates. So they copy their results into these, outside it.
-        T, R, c = self.mixed_sizes[-1], self.mixed_reqs, self.config
-        self.chained_out = tuple(torch.zeros(n, dtype=torch.long, device=self.device) for n in (T, R, T)) + (
-            torch.zeros(T, c.hc_count * c.hidden_size, dtype=self.drafter.streams_in.dtype, device=self.device),)
+        self.allocate_chained_results()
         self._capture_mixed("chained")
         self.chains = True
         torch.cuda.synchronize(self.device)

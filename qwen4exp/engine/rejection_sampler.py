@@ -60,12 +60,15 @@ class VerifiedBatch:
     _ready: torch.cuda.Event | None = None
 
     def start_copy(self) -> VerifiedBatch:
+        """As SampledBatch.start_copy."""
         self.rows.start_copy()
-        if self.num_accepted.is_cuda:
-            self._host = torch.empty(self.num_accepted.shape, dtype=self.num_accepted.dtype, pin_memory=True)
-            self._host.copy_(self.num_accepted, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        if not self.num_accepted.is_cuda:
+            self._host = self.num_accepted.clone()
+            return self
+        self._host = torch.empty(self.num_accepted.shape, dtype=self.num_accepted.dtype, pin_memory=True)
+        self._host.copy_(self.num_accepted, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
         return self
 
     def to_host(self) -> tuple[SamplerOutput, list[int]]:
@@ -73,8 +76,7 @@ class VerifiedBatch:
         out = self.rows.to_host()
         if self._ready is not None:
             self._ready.synchronize()
-            return out, self._host.tolist()
-        return out, self.num_accepted.tolist()
+        return out, self._host.tolist()
 
 
 def greedy_acceptance(tokens: torch.Tensor, meta, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -259,26 +259,26 @@ class SampledBatch:
         return [self.token_ids, self.chosen, self.ranks, *top]
 
     def start_copy(self) -> "SampledBatch":
-        """Starts copying the samples into pinned host memory behind an event. A plain `.tolist()` would wait for
-        the whole stream, including the next step the engine launches before it reads these samples, so the device
-        would idle during every step's host work."""
-        if self.token_ids.is_cuda:
-            self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                          for t in self._tensors()]
-            for h, t in zip(self._host, self._tensors()):
-                if t is not None:
-                    h.copy_(t, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        """Starts copying the samples to the host as they are now: the tensors may be a graph's outputs, which a
+        step launched before the host reads these overwrites. On the GPU into pinned host memory behind an event (a
+        plain `.tolist()` would wait for the whole stream, including that next step, so the device would idle
+        during every step's host work); on the CPU a copy."""
+        tensors = self._tensors()
+        if not self.token_ids.is_cuda:
+            self._host = [None if t is None else t.clone() for t in tensors]
+            return self
+        self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(self._host, tensors):
+            if t is not None:
+                h.copy_(t, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
         return self
 
     def to_host(self) -> SamplerOutput:
         if self._ready is not None:
             self._ready.synchronize()
-            host = self._host
-        else:
-            host = self._tensors()
-        token_ids, chosen, ranks, top_vals, top_ids = host
+        token_ids, chosen, ranks, top_vals, top_ids = self._host
         tokens = token_ids.tolist()
         n = len(tokens)
         if chosen is None:

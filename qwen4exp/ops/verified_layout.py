@@ -31,9 +31,10 @@ def advance_verified_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size:
     fills them) turned, in place and on the device, into the layout of the same requests' next step, as
     `StepBuilder.build` would give it once the host has read this step: it is how a step is launched before the
     previous one is read (SpecDecoder.chain). From this step's results: `accepted` [R] drafts kept per request
-    (greedy_acceptance), `emitted` [(1 + k)R] every row's argmax, `drafts` [(1 + k)R] the draft layer's draft at every
-    row, and for k >= 2 `ahead` [R, k] each request's drafts for the next step (MTPProposer.draft_ahead: the draft at
-    its kept row, then the further ones); k = 1 without it.
+    (greedy_acceptance), `emitted` [(1 + k)R] every row's argmax, and the next step's drafts: for k = 1 `drafts`
+    [(1 + k)R] the draft layer's draft at every row, for k >= 2 `ahead` [R, k] each request's (MTPProposer.draft_ahead:
+    the draft at its kept row, then the further ones; `drafts` is not read, the further draft steps may have
+    overwritten it).
 
     Request r keeps 1 + a rows: its context grows by 1 + a, its next rows are the token emitted at row a and its
     drafts from there; its state moves to the slot of row a (the spare one it was stored into; the one after the last
@@ -55,9 +56,10 @@ def advance_verified_ref(buf: dict[str, torch.Tensor], num_reqs: int, page_size:
         context[:n] = tokens.gather(1, grow[:, None] + torch.arange(m, device=a.device))
     kept = torch.arange(n, device=a.device) * k1 + a  # each request's last kept row
     ids[:, 0] = emitted[kept]
-    ids[:, 1] = drafts[kept]
     if k > 1:
-        ids[:, 2:] = ahead[:n, 1:]
+        ids[:, 1:] = ahead[:n]
+    else:
+        ids[:, 1] = drafts[kept]
     positions = buf["positions"][:rows].view(n, k1)
     positions += grow[:, None]
     buf["context_lens"][:n] += grow.to(buf["context_lens"].dtype)

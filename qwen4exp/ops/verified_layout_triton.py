@@ -31,10 +31,11 @@ def _advance_kernel(ids, positions, slot_mapping, context_lens, state_slots, tok
         tl.store(ngram + r * ngram_stride + j, tl.where(src < M, old, step), mask=j < M)
     kept = row0 + a
     tl.store(ids + row0, tl.load(emitted + kept))
-    tl.store(ids + row0 + 1, tl.load(drafts + kept))
-    if K > 1:  # the further drafts, made ahead
-        further = (rows >= 2) & mine
-        tl.store(ids + row0 + rows, tl.load(ahead + r * ahead_stride + rows - 1, mask=further, other=0), mask=further)
+    if K > 1:  # the drafts made ahead
+        drafted = (rows >= 1) & mine
+        tl.store(ids + row0 + rows, tl.load(ahead + r * ahead_stride + rows - 1, mask=drafted, other=0), mask=drafted)
+    else:
+        tl.store(ids + row0 + 1, tl.load(drafts + kept))
     p = tl.load(positions + row0 + rows, mask=mine, other=0) + grow
     tl.store(positions + row0 + rows, p, mask=mine)
     context = tl.load(context_lens + r).to(tl.int64) + grow
