@@ -251,7 +251,7 @@ class SampledBatch:
     ranks: torch.Tensor | None
     top: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) of the largest k any row asked for
     ks: list[int | None]  # each row's `logprobs`
-    _host: list | None = None  # pinned host copies of the tensors above, in flight until `_ready`
+    _host: list | None = None  # host copies of the tensors above (on the GPU pinned, in flight until `_ready`)
     _ready: torch.cuda.Event | None = None
 
     def _tensors(self) -> list[torch.Tensor | None]:
