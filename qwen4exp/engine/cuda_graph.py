@@ -483,12 +483,12 @@ class CUDAGraphRunner:
                         ahead: torch.Tensor | None = None):
         """The next step of the verified step just run (num_reqs requests of 1 + k rows, in its order), launched
         before the host has read it (SpecDecoder.chain): its layout derived on the device from the step's results
-        (ops.verified_layout: `accepted`, `emitted`, `drafts` are views of the graphs' outputs, read before the
-        replay overwrites them; for k >= 2 `ahead`, the next step's drafts made ahead, and the step's layout from
-        keep_layout), then the chained graph of `key`'s tokens and context bound replayed: the step and its draft
-        step 0. pages: (request, first column, page ids) of the pages the requests took since, written into their
-        block tables first. Returns (every row's argmax, the drafts each request keeps, every row's draft and draft
-        states), views valid until the next replay."""
+        (ops.verified_layout: `accepted`, `emitted` and for k = 1 `drafts` are views of the graphs' outputs, read
+        before the replay overwrites them; for k >= 2 `ahead`, the next step's drafts made ahead, in place of
+        `drafts`, and the step's layout from keep_layout), then the chained graph of `key`'s tokens and context
+        bound replayed: the step and its draft step 0. pages: (request, first column, page ids) of the pages the
+        requests took since, written into their block tables first. Returns (every row's argmax, the drafts each
+        request keeps, every row's draft and draft states), views valid until the next replay."""
         if ahead is not None:
             self.mstage.arena.copy_(self.kept_layout)
         tables = self.mbuf["block_tables"]
