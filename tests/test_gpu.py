@@ -442,3 +442,51 @@ def test_gpu_chained_speculative_steps_equal_decoding_without_them(k, drafts, tm
     assert replayed.count("chained") == sum(chained), "every chained step runs its own graph"
     assert all(same_drafts), "a chained step's graph drafts as the draft layer does from the step's tokens"
     assert llm.llm_engine.cache.all_free()
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_gpu_chained_steps_verify_the_drafts_unchained_steps_verify(k, tmp_path):
+    """With the draft layer's own drafts (mostly rejected: random weights), steps chained before the step before
+    them is read (the further drafts made on the device from rows it moved by what both steps keep) feed the target
+    the very tokens, position by position, that steps launched after each read feed it: a draft made from the wrong
+    row or states keeps outputs exact and loses only acceptance, which no output comparison shows."""
+    import random
+
+    from test_spec_decode import generate
+
+    from qwen4exp import LLM
+    from qwen4exp.weights.random_checkpoint import make_random
+
+    d = make_random(str(tmp_path / "tiny"), "tiny", dtype="float32", seed=1, overrides={"indexer_budget": 256})
+    rng = random.Random(8)
+    requests = [(str(i), [rng.randrange(3, 500) for _ in range(rng.randrange(2, 60))],
+                 SamplingParams(temperature=0.0, max_tokens=24 + 16 * (k - 1), ignore_eos=True)) for i in range(4)]
+    engine = dict(dtype="float32", max_model_len=256, page_size=8, num_pages=200, max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    fed, kinds, outputs = {}, {}, {}
+    for chains in (False, True):
+        llm = LLM(d, device="cuda", speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
+        eng, graphs = llm.llm_engine, llm.llm_engine.runner.graphs
+        graphs.chains = graphs.chains and chains
+        rows, replayed, run = fed.setdefault(chains, set()), kinds.setdefault(chains, []), graphs._run
+
+        def record(key, rows=rows, replayed=replayed, run=run, eng=eng, graphs=graphs):
+            """(request, position, token) of every row of a step the graphs run"""
+            if key[0] in ("mixed", "chained"):
+                replayed.append(key[0])
+                meta = graphs._mixed_meta(*key[1:])
+                owner = {r.pages[0]: r.request_id for r in eng.scheduler.running if r.pages}
+                n = int(meta.query_start_loc[-2])  # the requests' rows, before the padding request's
+                pages = graphs.mbuf["block_tables"][:, 0][meta.token_req[:n]].tolist()
+                rows.update((owner.get(p), q, t) for p, q, t in
+                            zip(pages, meta.token_pos[:n].tolist(), meta.input_ids[:n].tolist()))
+            return run(key)
+        graphs._run = record
+        outputs[chains] = generate(llm, requests)
+    assert kinds[True].count("chained") > 10 and "chained" not in kinds[False]
+    for rid, _, _ in requests:
+        assert outputs[True][rid].outputs[0].token_ids == outputs[False][rid].outputs[0].token_ids
+    # the last steps differ: a chained step runs in vain past a request's end, an unchained one drafts fewer there
+    limit = {rid: len(prompt) + params.max_tokens - 2 * (k + 1) for rid, prompt, params in requests}
+    a, b = ({x for x in fed[c] if x[0] in limit and x[1] < limit[x[0]]} for c in (False, True))
+    assert len(a) > 50 * k and a == b, (len(a), sorted(a - b)[:10], sorted(b - a)[:10])
