@@ -73,6 +73,8 @@ def test_spec_decode_records_acceptance_step_cost_and_projection():
         assert r["acceptance_length"] == pytest.approx(1 + sum(rates))
         assert r["acceptance_rate"] == pytest.approx(sum(rates) / k, abs=0.2)  # drafts near max_tokens are shorter
         assert r["speedup_vs_k0"] == pytest.approx(trained["k"]["0"]["median_tpot_ms"] / r["median_tpot_ms"])
+        assert r["chained_share"] == 0  # steps chain only on the CUDA graphs
+    assert "| ... steps chained (launched before the step before is read) | | | 0% | 0% |" in page
     assert set(dummy["k"]) == {"0", "1", "2"}
     for k, r in dummy["k"].items():
         assert r["step_ms"] == pytest.approx(r["median_tpot_ms"] * r["acceptance_length"])

@@ -935,6 +935,7 @@ def test_chained_steps_give_decodings_outputs(tiny_dir, monkeypatch, k):
     assert aborted and "2" not in outputs
     assert_same_outputs(outputs, expected, [r for r in requests if r[0] != "2"])
     assert sum(chained) > 10 and not all(chained), "chained steps and steps that could not chain"
+    assert engine.spec.chained_steps == sum(chained)  # the share spec_trained reports
     assert len(checked) >= k * sum(chained) and all(checked), "the drafts of the chained steps"
     assert not all(reservations), "chains stopped for want of pages"
     assert engine.cache.all_free()

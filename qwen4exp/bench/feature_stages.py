@@ -49,7 +49,7 @@ def spec_trained(results, device, log, steps: int, seconds: float | None, corpus
     per k (k = 0 first), one after the other: batch-1 greedy decode of `prompts` - 1 spans of held-out code (one more
     warms each engine up). Per k: median TPOT; with drafts, of all runs together, the share of draft tokens accepted,
     the acceptance rate of each draft position (position 0: the first draft token), the tokens a step emits
-    (acceptance length) and the speedup over k = 0."""
+    (acceptance length), the share of its steps chained to the step before, and the speedup over k = 0."""
     from ..config import EngineConfig
     from ..engine.engine import LLMEngine
     from .engines import return_gpu_memory
@@ -70,6 +70,7 @@ def spec_trained(results, device, log, steps: int, seconds: float | None, corpus
         config = EngineConfig(**options, dtype="bfloat16", device=str(device), speculative_config=_spec(k))
         engine = LLMEngine(None, config, model_config=cfg, tokenizer=None, weights=iter(weights.items()))
         run_requests(engine, [code[0]], min(output_len, 16))
+        chained = engine.spec.chained_steps if k else 0
         runs = [run_requests(engine, [p], output_len) for p in code[1:]]
         r = {"median_tpot_ms": statistics.median(x["median_tpot_ms"] for x in runs),
              "tpot_ms": [x["median_tpot_ms"] for x in runs]}
@@ -82,7 +83,9 @@ def spec_trained(results, device, log, steps: int, seconds: float | None, corpus
                   "per_position_acceptance": [
                       sum(x["spec_decode_per_position_acceptance_rates"][j] * x["spec_decode_num_drafts"]
                           for x in runs) / drafts for j in range(k)],
-                  "acceptance_length": 1 + accepted / drafts}
+                  "acceptance_length": 1 + accepted / drafts,
+                  # verification steps launched before the host read the step before (SpecDecoder.chain)
+                  "chained_share": (engine.spec.chained_steps - chained) / drafts}
         out["k"][str(k)] = r
         log(f"spec_decode, small trained, k={k}: " + ", ".join(f"{n} {v}" for n, v in r.items() if n != "tpot_ms"))
         results.save()

@@ -314,6 +314,7 @@ class SpecDecoder:
         self.page_size = page_size
         self.rejection = RejectionSampler(sampler)
         self.proposer = MTPProposer(model, cache, page_size, device, draft_graphs)
+        self.chained_steps = 0  # steps launched by `chain`: the benchmarks' share of steps that overlapped the host
 
     def launch(self, engine, sched: SchedulerOutput, mixed_graphs: bool = True) -> SpecStep:
         """Runs the target over the step's chunks and verifies the drafts, without waiting for either."""
@@ -462,6 +463,7 @@ class SpecDecoder:
         for r in reqs:
             r.num_pending += 1
         step.chained = True
+        self.chained_steps += 1
         rows = [i * k1 for i in range(len(reqs))]
         if self.k > 1:  # the next step's drafts, before the host reads either step: so that it can chain in turn
             graphs.keep_layout()
